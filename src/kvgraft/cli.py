@@ -1,0 +1,403 @@
+"""The `kvgraft` command line: a thin layer over `kvgraft.engine`. Only this module prints or exits."""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvgraft.engine import Engine
+from kvgraft.errors import BadInputError, KvgraftError
+from kvgraft.receipt import SamplingParams, parse_receipt
+from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback
+from kvgraft.store import open_store
+
+P = ParamSpec("P")
+
+app = typer.Typer(
+    name="kvgraft",
+    help="Byte-exact KV-cache grafts: build, store, restore, generate and verify.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+FALLBACK_MODEL = "random:gemma4"
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="random:<arch>[:<seed>], a local HF model directory, or a hub id. "
+        "Defaults to the graft's own model, else random:gemma4.",
+    ),
+]
+StoreOpt = Annotated[
+    str | None, typer.Option("--store", "-s", help="Store directory (default: $KVGRAFT_STORE or ./.kvgraft).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+ChunkOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--chunk-size", "-C", help=f"Chunk size C of the schedule (default: the graft's, else {DEFAULT_CHUNK_SIZE})."
+    ),
+]
+DtypeOpt = Annotated[
+    str | None, typer.Option("--dtype", help="float32, bfloat16 or float16 (default: the graft's, else float32).")
+]
+EnvOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-env-mismatch", help="Use grafts made under another numeric environment; results say 'not exact'."
+    ),
+]
+
+
+def main() -> None:
+    app()
+
+
+def command(name: str | None = None) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """`app.command`, with domain errors turned into one red line and exit code 1, never a traceback."""
+
+    def register(func: Callable[P, None]) -> Callable[P, None]:
+        @functools.wraps(func)
+        def run(*args: P.args, **kwargs: P.kwargs) -> None:
+            try:
+                func(*args, **kwargs)
+            except KvgraftError as exc:
+                err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+                raise typer.Exit(1) from None
+
+        app.command(name)(run)
+        return run
+
+    return register
+
+
+def _emit(as_json: bool, data: Any, render: Callable[[], None]) -> None:
+    if as_json:
+        typer.echo(json.dumps(data))
+    else:
+        render()
+
+
+@contextmanager
+def _progress(label: str, enabled: bool) -> Iterator[ChunkCallback | None]:
+    """A progress bar on stderr for long work (off for --json and when stderr is not a terminal)."""
+    if not enabled or not err.is_terminal:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _engine(
+    model: str | None,
+    store: str | None,
+    chunk_size: int | None = None,
+    dtype: str | None = None,
+    graft: str | None = None,
+    allow_env_mismatch: bool = False,
+) -> Engine:
+    """Load the engine; unspecified model, dtype and chunk size default to the graft's own when there is one."""
+    graft_store = open_store(store)
+    if graft is not None and (model is None or chunk_size is None or dtype is None):
+        manifest = graft_store.manifest(graft)
+        model = model or manifest.model_name
+        chunk_size = chunk_size or manifest.chunk_size
+        dtype = dtype or manifest.dtype
+    return Engine.load(
+        model or FALLBACK_MODEL,
+        dtype=dtype or "float32",
+        chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+        store=graft_store,
+        allow_environment_mismatch=allow_env_mismatch,
+    )
+
+
+def _read_text_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInputError(f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"cannot read {path}: {exc}") from None
+
+
+def _jsonl_items(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(text, metadata) per line: a JSON string, or an object with "text" (other fields become metadata)."""
+    items: list[tuple[str, dict[str, Any]]] = []
+    for number, line in enumerate(_read_text_file(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadInputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if isinstance(row, str):
+            items.append((row, {}))
+        elif isinstance(row, dict) and isinstance(row.get("text"), str):
+            items.append((row["text"], {k: v for k, v in row.items() if k != "text"}))
+        else:
+            raise BadInputError(f'{path}:{number}: expected a JSON string or an object with a "text" field')
+    if not items:
+        raise BadInputError(f"{path}: no texts in file")
+    return items
+
+
+@command()
+def build(
+    text: Annotated[str | None, typer.Option("--text", "-t", help="The text to graft.")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="A UTF-8 text file to graft.")] = None,
+    jsonl: Annotated[
+        Path | None, typer.Option("--jsonl", help='A JSONL file: one graft per line ("text" field).')
+    ] = None,
+    title: Annotated[str | None, typer.Option("--title", help="Metadata title for a single graft.")] = None,
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+    chunk_size: ChunkOpt = None,
+    dtype: DtypeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Build grafts from text and put them in the store."""
+    sources = [s for s in (text, file, jsonl) if s is not None]
+    if len(sources) != 1:
+        raise BadInputError("give exactly one of --text, --file or --jsonl")
+    engine = _engine(model, store, chunk_size, dtype)
+    if jsonl is not None:
+        items = _jsonl_items(jsonl)
+    else:
+        body = text if text is not None else _read_text_file(file)  # type: ignore[arg-type]
+        items = [(body, {"title": title} if title else {})]
+    results = []
+    with _progress("building", not as_json) as on_chunk:
+        for body, metadata in items:
+            results.append(engine.put(body, metadata, on_chunk).to_json())
+    payload: Any = results if jsonl is not None else results[0]
+
+    def render() -> None:
+        table = Table("id", "tokens", "aligned", "bytes")
+        for r in results:
+            table.add_row(r["id"][:16], str(r["tokens"]), str(r["aligned_tokens"]), f"{r['bytes']:,}")
+        out.print(table)
+
+    _emit(as_json, payload, render)
+
+
+@command("ls")
+def list_grafts(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """List the grafts in the store."""
+    graft_store = open_store(store)
+    rows: list[dict[str, Any]] = []
+    for graft_id in graft_store.ids():
+        manifest = graft_store.manifest(graft_id)
+        rows.append(
+            {
+                "id": graft_id,
+                "tokens": len(manifest.tokens),
+                "aligned_tokens": manifest.aligned_tokens,
+                "model": manifest.model_name,
+                "dtype": manifest.dtype,
+                "title": manifest.metadata.get("title"),
+                "created_at": manifest.created_at,
+            }
+        )
+
+    def render() -> None:
+        table = Table("id", "tokens", "aligned", "model", "dtype", "title", "created")
+        for r in rows:
+            table.add_row(
+                r["id"][:16],
+                str(r["tokens"]),
+                str(r["aligned_tokens"]),
+                r["model"],
+                r["dtype"],
+                r["title"] or "",
+                r["created_at"],
+            )
+        out.print(table if rows else f"no grafts in {graft_store.root}")
+
+    _emit(as_json, {"store": str(graft_store.root), "grafts": rows}, render)
+
+
+@command()
+def inspect(
+    graft: Annotated[str, typer.Argument(help="Graft id or unique prefix.")],
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a graft's manifest and where its tensors file is."""
+    graft_store = open_store(store)
+    manifest = graft_store.manifest(graft)
+    data = manifest.to_json() | {"tensors_path": graft_store.tensors_path(manifest.id)}
+
+    def render() -> None:
+        shown = {k: v for k, v in data.items() if k != "tokens"} | {"tokens": f"[{len(manifest.tokens)} ids]"}
+        out.print_json(json.dumps(shown))
+
+    _emit(as_json, data, render)
+
+
+@command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue (after the graft's text).")] = "",
+    graft: Annotated[str | None, typer.Option("--graft", "-g", help="Graft id or prefix to restore first.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1)] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 means greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampler (temperature > 0).")] = 0,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    receipt: Annotated[Path | None, typer.Option("--receipt", help="Write the receipt JSON here.")] = None,
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+    chunk_size: ChunkOpt = None,
+    dtype: DtypeOpt = None,
+    allow_env_mismatch: EnvOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate a continuation, optionally from a restored graft, with a receipt."""
+    engine = _engine(model, store, chunk_size, dtype, graft, allow_env_mismatch)
+    params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+    with _progress("prefill", not as_json) as on_chunk:
+        result = engine.generate(prompt, graft, params, on_chunk=on_chunk)
+    if receipt is not None:
+        try:
+            result.receipt.write(receipt)
+        except OSError as exc:
+            raise BadInputError(f"cannot write receipt to {receipt}: {exc.strerror}") from None
+
+    def render() -> None:
+        out.print(result.text, highlight=False, markup=False)
+        t = result.timings
+        exact = "yes" if result.exact else "NOT EXACT: " + "; ".join(result.receipt.environment_differences)
+        err.print(
+            f"[dim]{len(result.output_tokens)} tokens, ttft {t['ttft_s'] * 1000:.1f} ms, "
+            f"{t['decode_tokens_per_s']:.0f} tok/s, exact: {exact}, receipt {result.receipt.id[:16]}[/]"
+        )
+
+    _emit(as_json, result.to_json(), render)
+
+
+@command()
+def verify(
+    graft: Annotated[str | None, typer.Argument(help="Graft id or prefix to recompute and compare.")] = None,
+    receipt: Annotated[
+        Path | None, typer.Option("--receipt", help="A receipt JSON to rerun fresh and compare.")
+    ] = None,
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check a graft against a fresh recompute, or a receipt against a fresh rerun. Exit 0 only when exact."""
+    from kvgraft.verify import verify_graft, verify_receipt
+
+    if (graft is None) == (receipt is None):
+        raise BadInputError("give a graft id or --receipt FILE (one of them)")
+    if receipt is not None:
+        parsed = parse_receipt(_read_text_file(receipt), str(receipt))
+        engine = Engine.load(
+            model or parsed.model_name,
+            dtype=parsed.fingerprint.model["dtype"],
+            chunk_size=int(parsed.fingerprint.schedule["chunk_size"]),
+            store=open_store(store),
+        )
+        with _progress("rerun", not as_json) as on_chunk:
+            result: Any = verify_receipt(engine, parsed, on_chunk)
+        failed = [
+            name for name, ok in (("output tokens", result.tokens_equal), ("logits", result.logits_equal)) if not ok
+        ]
+    else:
+        assert graft is not None
+        engine = _engine(model, store, graft=graft)
+        with _progress("recompute", not as_json) as on_chunk:
+            result = verify_graft(engine, graft, on_chunk)
+        failed = [name for name, ok in (("KV tensors", result.kv_equal), ("logits", result.logits_equal)) if not ok]
+        if result.mismatched:
+            failed[0] += " (" + ", ".join(result.mismatched[:6]) + ("..." if len(result.mismatched) > 6 else "") + ")"
+    if result.environment_differences:
+        failed.append("environment (" + "; ".join(result.environment_differences) + ")")
+    data = result.to_json()
+
+    def render() -> None:
+        table = Table("check", "result")
+        for key, value in data.items():
+            table.add_row(key, str(value))
+        out.print(table)
+
+    _emit(as_json, data, render)
+    if failed:
+        err.print(f"[bold red]not exact:[/] differs in {', '.join(failed)}", highlight=False)
+        raise typer.Exit(1)
+
+
+@command()
+def rm(
+    graft: Annotated[list[str], typer.Argument(help="Graft ids or prefixes.")],
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete grafts from the store."""
+    graft_store = open_store(store)
+    full = [graft_store.resolve(g) for g in graft]
+    for graft_id in full:
+        graft_store.delete(graft_id)
+    _emit(as_json, {"removed": full}, lambda: out.print("\n".join(f"removed {g}" for g in full)))
+
+
+@command()
+def demo(
+    store: Annotated[
+        str | None, typer.Option("--store", "-s", help="Keep the demo's graft here (default: a temporary store).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Build a graft from a bundled text on random:gemma4, restore it, generate, and prove it exact."""
+    from kvgraft.demo import run_demo
+
+    with tempfile.TemporaryDirectory(prefix="kvgraft-demo-") as tmp:
+        with _progress("building graft", not as_json) as on_chunk:
+            report = run_demo(Path(store or tmp), on_chunk=on_chunk)
+        data = report.to_json()
+
+        def render() -> None:
+            table = Table(title=f"kvgraft demo on {report.model}", show_header=True)
+            table.add_column("measure")
+            table.add_column("value", justify="right")
+            table.add_row("graft tokens (stored KV / all)", f"{report.aligned_tokens} / {report.graft_tokens}")
+            table.add_row("graft size on disk", f"{report.graft_bytes:,} bytes")
+            table.add_row("prompt tokens, new tokens", f"{report.prompt_tokens}, {report.new_tokens}")
+            table.add_row("time to first token, graft restored", f"{report.ttft_restored_s * 1000:.1f} ms")
+            table.add_row("time to first token, recomputed", f"{report.ttft_recomputed_s * 1000:.1f} ms")
+            table.add_row("graft KV + logits equal to fresh recompute", "yes" if report.graft_verified else "NO")
+            table.add_row("grafted run equal to fresh run (receipt)", "yes" if report.receipt_verified else "NO")
+            table.add_row("exact", "[green]yes[/]" if report.exact else "[red]NO[/]")
+            out.print(table)
+            if store is None:
+                out.print("[dim]The demo used a temporary store; pass --store DIR to keep the graft.[/]")
+
+        _emit(as_json, data, render)
+    if not report.exact:
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The engine: one loaded model, its fingerprint, its schedule and a store, with the operations on grafts.
+
+This is the Python API the CLI and the server are thin layers over; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cached_property
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvgraft import __version__
+from kvgraft.cache_state import capture, restore
+from kvgraft.errors import BadInputError
+from kvgraft.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
+from kvgraft.generate import Generation, TokenCallback, decode
+from kvgraft.graft_format import NEXT_LOGITS_NAME, Manifest, entries_for, states_from
+from kvgraft.hashing import sha256_bytes, sha256_tensor
+from kvgraft.models.loading import load_model, max_positions
+from kvgraft.receipt import Receipt, SamplingParams
+from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
+from kvgraft.store import GraftStore, open_store
+
+
+@dataclass(frozen=True)
+class BuiltGraft:
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    id: str
+    tokens: int
+    aligned_tokens: int
+    bytes: int
+    created: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "tokens": self.tokens, "aligned_tokens": self.aligned_tokens, "bytes": self.bytes}
+
+
+@dataclass
+class RestoredGraft:
+    """A graft restored into a cache, ready to continue at position `manifest.aligned_tokens`."""
+
+    manifest: Manifest
+    cache: DynamicCache
+    next_logits: torch.Tensor | None
+    environment_differences: list[str]
+    load_s: float
+    restore_s: float
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_tokens: int
+    output_tokens: list[int]
+    graft_id: str | None
+    exact: bool
+    stop_reason: str
+    timings: dict[str, float]
+    receipt: Receipt
+    generation: Generation = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "graft_id": self.graft_id,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": list(self.output_tokens),
+            "exact": self.exact,
+            "stop_reason": self.stop_reason,
+            "timings": dict(self.timings),
+            "receipt_id": self.receipt.id,
+        }
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Engine:
+    """Build, store, restore, generate and verify grafts with one model.
+
+    >>> engine = Engine.load("random:gemma4", store=".kvgraft")            # doctest: +SKIP
+    >>> put = engine.put("A text worth keeping as state.")                  # doctest: +SKIP
+    >>> engine.generate(" and then", graft_id=put.id).text                  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        model_name: str,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        store: GraftStore | None = None,
+        allow_environment_mismatch: bool = False,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.schedule = ChunkSchedule(chunk_size)
+        self.store: GraftStore = store if store is not None else open_store()
+        self.allow_environment_mismatch = allow_environment_mismatch
+
+    @classmethod
+    def load(
+        cls,
+        spec: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        store: str | GraftStore | None = None,
+        allow_environment_mismatch: bool = False,
+    ) -> Engine:
+        model, tokenizer = load_model(spec, dtype=dtype, device=device)
+        graft_store = store if store is not None and not isinstance(store, str) else open_store(store)
+        return cls(model, tokenizer, spec, chunk_size, graft_store, allow_environment_mismatch)
+
+    @cached_property
+    def fingerprint(self) -> Fingerprint:
+        return compute_fingerprint(self.model, self.tokenizer, self.schedule.chunk_size)
+
+    # --- tokens -------------------------------------------------------------------------------------------
+
+    def encode_context(self, text: str) -> list[int]:
+        """Tokens of a text that starts a context (with the tokenizer's BOS, if it adds one)."""
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Tokens of a text that continues a context (no BOS)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_length(self, n_tokens: int, what: str) -> None:
+        limit = max_positions(self.model)
+        if limit is not None and n_tokens > limit:
+            raise BadInputError(f"{what} is {n_tokens} tokens; the model supports at most {limit} positions")
+
+    # --- build and store ----------------------------------------------------------------------------------
+
+    def build(
+        self, text: str, metadata: dict[str, Any] | None = None, on_chunk: ChunkCallback | None = None
+    ) -> BuiltGraft:
+        """Compute a graft of `text`: KV of its C-aligned prefix under the schedule, plus all its token ids."""
+        if not text.strip():
+            raise BadInputError("text is empty; a graft needs some text")
+        tokens = self.encode_context(text)
+        self._check_length(tokens.__len__(), "text")
+        aligned = self.schedule.aligned_length(len(tokens))
+        cache = DynamicCache(config=self.model.config)
+        next_logits_sha = None
+        if aligned:
+            logits = forward_tokens(self.model, cache, tokens[:aligned], 0, self.schedule, on_chunk)
+        entries, tensors = entries_for(capture(cache))
+        if aligned and aligned == len(tokens):
+            # Nothing is left to compute at use: keep the next-token logits the last chunk produced.
+            tensors[NEXT_LOGITS_NAME] = logits.detach().contiguous().cpu()
+            next_logits_sha = sha256_tensor(tensors[NEXT_LOGITS_NAME])
+        manifest = Manifest(
+            tokens=tokens,
+            aligned_tokens=aligned,
+            chunk_size=self.schedule.chunk_size,
+            dtype=self.fingerprint.model["dtype"],
+            fingerprint=self.fingerprint,
+            layers=entries,
+            source_sha256=sha256_bytes(text.encode()),
+            model_name=self.model_name,
+            kvgraft_version=__version__,
+            created_at=_now(),
+            metadata=dict(metadata or {}),
+            next_logits_sha256=next_logits_sha,
+        )
+        return BuiltGraft(manifest, tensors)
+
+    def put(
+        self, text: str, metadata: dict[str, Any] | None = None, on_chunk: ChunkCallback | None = None
+    ) -> PutResult:
+        built = self.build(text, metadata, on_chunk)
+        graft_id, created = self.store.put(built.manifest, built.tensors)
+        return PutResult(
+            graft_id,
+            len(built.manifest.tokens),
+            built.manifest.aligned_tokens,
+            self.store.size_bytes(graft_id),
+            created,
+        )
+
+    # --- restore and generate -----------------------------------------------------------------------------
+
+    def restore(self, graft_id: str) -> RestoredGraft:
+        """Load a graft (every tensor hash checked), check its fingerprint, and restore it into a cache."""
+        t0 = time.perf_counter()
+        manifest = self.store.manifest(graft_id)
+        env_diff = check_fingerprint(manifest.fingerprint, self.fingerprint, self.allow_environment_mismatch)
+        stored = self.store.get(manifest.id)
+        t1 = time.perf_counter()
+        cache = restore(states_from(stored.manifest, stored.tensors), self.model.config, self.model.device)
+        next_logits = stored.tensors.get(NEXT_LOGITS_NAME)
+        return RestoredGraft(stored.manifest, cache, next_logits, env_diff, t1 - t0, time.perf_counter() - t1)
+
+    def generate(
+        self,
+        prompt: str,
+        graft_id: str | None = None,
+        params: SamplingParams | None = None,
+        on_chunk: ChunkCallback | None = None,
+        on_token: TokenCallback | None = None,
+        keep_logits: bool = False,
+    ) -> GenerationResult:
+        """Continue `prompt` (after the graft's text when a graft is given) and return text, timings and a receipt."""
+        params = params or SamplingParams()
+        started = time.perf_counter()
+        if graft_id is None:
+            if not prompt:
+                raise BadInputError("prompt is empty; give a prompt or a graft")
+            prompt_ids = self.encode_context(prompt)
+            restored = None
+            cache = DynamicCache(config=self.model.config)
+            input_ids, start, env_diff, first_logits = prompt_ids, 0, [], None
+        else:
+            restored = self.restore(graft_id)
+            prompt_ids = self.encode_continuation(prompt)
+            cache = restored.cache
+            input_ids = restored.manifest.tokens + prompt_ids
+            start, env_diff = restored.manifest.aligned_tokens, restored.environment_differences
+            first_logits = restored.next_logits
+        self._check_length(len(input_ids) + params.max_new_tokens, "input plus max new tokens")
+        generation = decode(
+            self.model,
+            self.tokenizer,
+            self.schedule,
+            cache,
+            input_ids[start:],
+            start,
+            params,
+            started,
+            first_logits=first_logits,
+            keep_logits=keep_logits,
+            on_chunk=on_chunk,
+            on_token=on_token,
+        )
+        timings = {
+            "ttft_s": generation.ttft_s,
+            "decode_tokens_per_s": generation.decode_tokens_per_s,
+            "total_s": time.perf_counter() - started,
+        }
+        if restored is not None:
+            timings |= {"graft_load_s": restored.load_s, "graft_restore_s": restored.restore_s}
+        receipt = Receipt(
+            fingerprint=self.fingerprint,
+            model_name=self.model_name,
+            graft_id=restored.manifest.id if restored else None,
+            graft_aligned_tokens=start,
+            input_tokens=input_ids,
+            output_tokens=generation.output_tokens,
+            logits_chain_sha256=generation.logits_chain,
+            sampling=params,
+            exact=not env_diff,
+            environment_differences=env_diff,
+            created_at=_now(),
+            timings=timings,
+        )
+        return GenerationResult(
+            text=generation.text,
+            prompt_tokens=len(prompt_ids),
+            output_tokens=generation.output_tokens,
+            graft_id=receipt.graft_id,
+            exact=not env_diff,
+            stop_reason=generation.stop_reason,
+            timings=timings,
+            receipt=receipt,
+            generation=generation,
+        )

@@ -1,0 +1,37 @@
+"""One error hierarchy for kvgraft.
+
+The core raises these; only the CLI and the server turn them into a message and an exit code or a status.
+Every message is one line that says what went wrong and what to do about it.
+"""
+
+
+class KvgraftError(Exception):
+    """Base of every error kvgraft raises on purpose."""
+
+
+class BadInputError(KvgraftError):
+    """The caller asked for something that cannot be done (empty text, too long, bad option)."""
+
+
+class NotFoundError(KvgraftError):
+    """A graft id (or prefix) matches nothing in the store, or more than one graft."""
+
+
+class FormatError(KvgraftError):
+    """A manifest or tensors file is malformed, truncated or of an unknown format version."""
+
+
+class IntegrityError(KvgraftError):
+    """Stored bytes do not match the hashes recorded for them."""
+
+
+class FingerprintMismatchError(KvgraftError):
+    """A graft was made by another model, tokenizer, dtype or chunk schedule than the one in use."""
+
+
+class EnvironmentMismatchError(KvgraftError):
+    """Only the numeric environment differs (threads, CPU, library versions): exactness is not guaranteed."""
+
+
+class StoreError(KvgraftError):
+    """The store cannot be read or written (missing permissions, not a directory)."""

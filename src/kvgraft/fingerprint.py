@@ -1,0 +1,142 @@
+"""What makes a graft's bytes what they are, and the check that a run may use a graft exactly.
+
+A fingerprint has three parts:
+- `model`: weights, config, tokenizer, dtype and attention implementation. Any difference: refused.
+- `schedule`: the chunk size C. Any difference: refused (KV bytes depend on it).
+- `environment`: torch / transformers / MKL / oneDNN versions, CPU capability, thread count, device. These change
+  the last bits of floating-point results; a difference is refused unless the caller overrides it, and then
+  the result is reported as not exact.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvgraft.errors import EnvironmentMismatchError, FingerprintMismatchError
+from kvgraft.hashing import Sha256Hex, sha256_json, sha256_tensor
+
+# Keys of config.to_dict() that name or describe a checkout rather than define the computation.
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "_commit_hash"}
+_weights_cache: weakref.WeakKeyDictionary[PreTrainedModel, Sha256Hex] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    model: dict[str, str]
+    schedule: dict[str, int]
+    environment: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": dict(self.model), "schedule": dict(self.schedule), "environment": dict(self.environment)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Fingerprint:
+        return cls(model=dict(data["model"]), schedule=dict(data["schedule"]), environment=dict(data["environment"]))
+
+
+def weights_sha256(model: PreTrainedModel) -> Sha256Hex:
+    """SHA-256 of the canonical JSON list [[name, dtype, shape, sha256(raw bytes)], ...] sorted by name.
+
+    Computed once per model object (a 1B-parameter model takes a few seconds).
+    """
+    cached = _weights_cache.get(model)
+    if cached is not None:
+        return cached
+    entries = [
+        [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), sha256_tensor(tensor)]
+        for name, tensor in sorted(model.state_dict().items())
+    ]
+    digest = sha256_json(entries)
+    _weights_cache[model] = digest
+    return digest
+
+
+def config_sha256(config: PretrainedConfig) -> Sha256Hex:
+    data = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    return sha256_json(json.loads(json.dumps(data, default=str)))
+
+
+def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> Sha256Hex:
+    """Hash of the tokenizer's full definition (fast tokenizers) or its vocabulary, plus special tokens and template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition: Any = json.loads(backend.to_str()) if backend is not None else sorted(tokenizer.get_vocab().items())
+    return sha256_json(
+        {
+            "definition": definition,
+            "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+            "chat_template": getattr(tokenizer, "chat_template", None),
+        }
+    )
+
+
+def model_identity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
+    return {
+        "weights_sha256": weights_sha256(model),
+        "config_sha256": config_sha256(model.config),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "attn_implementation": str(model.config._attn_implementation),
+    }
+
+
+def _library_version(pattern: str) -> str:
+    match = re.search(pattern, torch.__config__.show())
+    return match.group(1).strip() if match else "none"
+
+
+def numeric_environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "mkl": _library_version(r"Math Kernel Library Version ([^\n]+?) for"),
+        "onednn": _library_version(r"MKL-DNN (v[0-9.]+)"),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def compute_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, chunk_size: int) -> Fingerprint:
+    return Fingerprint(
+        model=model_identity(model, tokenizer),
+        schedule={"chunk_size": chunk_size},
+        environment=numeric_environment(model.device),
+    )
+
+
+def _differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    keys = sorted(set(stored) | set(current))
+    return [f"{k} {stored.get(k)!r} vs {current.get(k)!r}" for k in keys if stored.get(k) != current.get(k)]
+
+
+def check_fingerprint(stored: Fingerprint, current: Fingerprint, allow_environment_mismatch: bool = False) -> list[str]:
+    """Raise if the graft cannot be used by this run; return the environment differences that were allowed.
+
+    An empty list means the run is exact.
+    """
+    model_diff = _differences(stored.model, current.model) + _differences(stored.schedule, current.schedule)
+    if model_diff:
+        raise FingerprintMismatchError(
+            "graft was built for another model or schedule (graft vs this run: " + "; ".join(model_diff) + ")"
+        )
+    env_diff = _differences(stored.environment, current.environment)
+    if env_diff and not allow_environment_mismatch:
+        raise EnvironmentMismatchError(
+            "numeric environment differs (graft vs this run: "
+            + "; ".join(env_diff)
+            + "); pass --allow-env-mismatch to use it anyway, reported as not exact"
+        )
+    return env_diff

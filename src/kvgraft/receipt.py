@@ -1,0 +1,130 @@
+"""Receipts: a JSON record of one generation that anyone can re-check by rerunning it fresh.
+
+A receipt commits to the fingerprint of the run, the graft used, every input token id, every output token id
+and, through a chained SHA-256, the bytes of every step's logits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvgraft.errors import FormatError
+from kvgraft.fingerprint import Fingerprint
+from kvgraft.hashing import Sha256Hex, sha256_json, sha256_token_ids
+
+RECEIPT_VERSION = 1
+_ID_EXCLUDED = ("id", "created_at", "timings")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; otherwise softmax sampling with a torch.Generator seeded with `seed`."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SamplingParams:
+        return cls(
+            max_new_tokens=int(data["max_new_tokens"]),
+            temperature=float(data["temperature"]),
+            top_p=float(data["top_p"]),
+            seed=int(data["seed"]),
+            stop=tuple(str(s) for s in data["stop"]),
+        )
+
+
+@dataclass(frozen=True)
+class Receipt:
+    fingerprint: Fingerprint
+    model_name: str
+    graft_id: str | None
+    graft_aligned_tokens: int
+    input_tokens: list[int]
+    output_tokens: list[int]
+    logits_chain_sha256: Sha256Hex
+    sampling: SamplingParams
+    exact: bool
+    environment_differences: list[str]
+    created_at: str
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        body = {
+            "receipt_version": RECEIPT_VERSION,
+            "fingerprint": self.fingerprint.to_json(),
+            "model_name": self.model_name,
+            "graft_id": self.graft_id,
+            "graft_aligned_tokens": self.graft_aligned_tokens,
+            "input_tokens": list(self.input_tokens),
+            "input_sha256": sha256_token_ids(self.input_tokens),
+            "output_tokens": list(self.output_tokens),
+            "output_sha256": sha256_token_ids(self.output_tokens),
+            "logits_chain_sha256": self.logits_chain_sha256,
+            "steps": len(self.output_tokens),
+            "sampling": self.sampling.to_json(),
+            "exact": self.exact,
+            "environment_differences": list(self.environment_differences),
+            "created_at": self.created_at,
+            "timings": dict(self.timings),
+        }
+        return {"id": receipt_id(body), **body}
+
+    @property
+    def id(self) -> Sha256Hex:
+        return Sha256Hex(self.to_json()["id"])
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+
+
+def receipt_id(body: dict[str, Any]) -> Sha256Hex:
+    """SHA-256 of the canonical receipt without `id`, `created_at` and `timings` (which vary run to run)."""
+    return sha256_json({k: v for k, v in body.items() if k not in _ID_EXCLUDED})
+
+
+def parse_receipt(raw: str, where: str) -> Receipt:
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{where}: receipt is not valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict) or data.get("receipt_version") != RECEIPT_VERSION:
+        version = data.get("receipt_version") if isinstance(data, dict) else None
+        raise FormatError(f"{where}: unknown receipt_version {version!r}; this kvgraft reads version {RECEIPT_VERSION}")
+    try:
+        receipt = Receipt(
+            fingerprint=Fingerprint.from_json(data["fingerprint"]),
+            model_name=str(data["model_name"]),
+            graft_id=data["graft_id"],
+            graft_aligned_tokens=int(data["graft_aligned_tokens"]),
+            input_tokens=[int(t) for t in data["input_tokens"]],
+            output_tokens=[int(t) for t in data["output_tokens"]],
+            logits_chain_sha256=Sha256Hex(str(data["logits_chain_sha256"])),
+            sampling=SamplingParams.from_json(data["sampling"]),
+            exact=bool(data["exact"]),
+            environment_differences=[str(d) for d in data["environment_differences"]],
+            created_at=str(data["created_at"]),
+            timings={str(k): float(v) for k, v in data["timings"].items()},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{where}: malformed receipt ({type(exc).__name__}: {exc})") from None
+    if data.get("input_sha256") != sha256_token_ids(receipt.input_tokens):
+        raise FormatError(f"{where}: input_sha256 does not match input_tokens")
+    if data.get("output_sha256") != sha256_token_ids(receipt.output_tokens):
+        raise FormatError(f"{where}: output_sha256 does not match output_tokens")
+    return receipt

@@ -1,0 +1,47 @@
+"""The interface every graft store implements (local directory now; Redis or S3 can follow)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvgraft.graft_format import Manifest
+from kvgraft.hashing import Sha256Hex
+
+
+@dataclass(frozen=True)
+class StoredGraft:
+    """A graft read back from a store, every tensor already checked against its manifest hash."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+
+
+class GraftStore(Protocol):
+    def put(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[Sha256Hex, bool]:
+        """Store a graft atomically; returns (id, created). Storing the same content again creates nothing."""
+        ...
+
+    def resolve(self, id_or_prefix: str) -> Sha256Hex:
+        """The one full id starting with `id_or_prefix`; NotFoundError when none or several match."""
+        ...
+
+    def manifest(self, graft_id: str) -> Manifest:
+        """Read and validate one manifest (no tensor is read)."""
+        ...
+
+    def get(self, graft_id: str) -> StoredGraft:
+        """Read a graft, checking every tensor's SHA-256 before returning it."""
+        ...
+
+    def ids(self) -> list[Sha256Hex]: ...
+
+    def delete(self, graft_id: str) -> None: ...
+
+    def tensors_path(self, graft_id: str) -> str:
+        """Where the tensors of a graft can be read directly (a path or URL)."""
+        ...
+
+    def size_bytes(self, graft_id: str) -> int: ...

@@ -1,0 +1,146 @@
+"""Independent re-checks: a graft against a fresh recompute, and a receipt against a fresh rerun."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvgraft.cache_state import capture, restore
+from kvgraft.engine import Engine
+from kvgraft.fingerprint import check_fingerprint
+from kvgraft.generate import decode
+from kvgraft.graft_format import NEXT_LOGITS_NAME, entries_for, states_from
+from kvgraft.hashing import sha256_tensor
+from kvgraft.receipt import Receipt
+from kvgraft.schedule import ChunkCallback, forward_tokens
+
+
+@dataclass
+class GraftVerification:
+    graft_id: str
+    kv_equal: bool
+    logits_equal: bool
+    kl: float
+    argmax_agree: bool
+    mismatched: list[str] = field(default_factory=list)
+    environment_differences: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return self.kv_equal and self.logits_equal and not self.environment_differences
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "graft_id": self.graft_id,
+            "exact": self.exact,
+            "kv_equal": self.kv_equal,
+            "logits_equal": self.logits_equal,
+            "kl": self.kl,
+            "argmax_agree": self.argmax_agree,
+            "mismatched": list(self.mismatched),
+            "environment_differences": list(self.environment_differences),
+        }
+
+
+@dataclass
+class ReceiptVerification:
+    receipt_id: str
+    tokens_equal: bool
+    logits_equal: bool
+    first_divergence: int | None
+    rerun_ttft_s: float
+    environment_differences: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return self.tokens_equal and self.logits_equal and not self.environment_differences
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "receipt_id": self.receipt_id,
+            "exact": self.exact,
+            "tokens_equal": self.tokens_equal,
+            "logits_equal": self.logits_equal,
+            "first_divergence": self.first_divergence,
+            "rerun_ttft_s": self.rerun_ttft_s,
+            "environment_differences": list(self.environment_differences),
+        }
+
+
+def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """KL(softmax(reference) || softmax(other)) in float64 for logits of shape [vocab]."""
+    p_log = torch.log_softmax(reference.double(), dim=-1)
+    q_log = torch.log_softmax(other.double(), dim=-1)
+    return float(torch.sum(p_log.exp() * (p_log - q_log)).item())
+
+
+def verify_graft(engine: Engine, graft_id: str, on_chunk: ChunkCallback | None = None) -> GraftVerification:
+    """Recompute the graft's KV from its tokens under the schedule, compare every tensor hash, then compare the
+    next-token logits after the graft: restored + tail vs the fresh run over all tokens."""
+    stored = engine.store.get(graft_id)
+    manifest = stored.manifest
+    env_diff = check_fingerprint(manifest.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
+    cache = DynamicCache(config=engine.model.config)
+    aligned = manifest.aligned_tokens
+    tail = manifest.tokens[aligned:]
+    if aligned:
+        fresh_logits = forward_tokens(engine.model, cache, manifest.tokens[:aligned], 0, engine.schedule, on_chunk)
+    fresh_entries, _ = entries_for(capture(cache))
+    mismatched = [
+        f"layer {i} {part}"
+        for i, (want, got) in enumerate(zip(manifest.layers, fresh_entries, strict=True))
+        for part, a, b in (("key", want.key_sha256, got.key_sha256), ("value", want.value_sha256, got.value_sha256))
+        if a != b
+    ]
+    if tail:
+        fresh_logits = forward_tokens(engine.model, cache, tail, aligned, engine.schedule)
+        grafted_cache = restore(states_from(manifest, stored.tensors), engine.model.config, engine.model.device)
+        grafted_logits = forward_tokens(engine.model, grafted_cache, tail, aligned, engine.schedule)
+    else:
+        # Every token has stored KV: the graft carries the next-token logits of its last chunk.
+        grafted_logits = stored.tensors[NEXT_LOGITS_NAME]
+    return GraftVerification(
+        graft_id=manifest.id,
+        kv_equal=not mismatched,
+        logits_equal=sha256_tensor(fresh_logits) == sha256_tensor(grafted_logits),
+        kl=kl_divergence(fresh_logits, grafted_logits),
+        argmax_agree=int(fresh_logits.argmax()) == int(grafted_logits.argmax()),
+        mismatched=mismatched,
+        environment_differences=env_diff,
+    )
+
+
+def verify_receipt(engine: Engine, receipt: Receipt, on_chunk: ChunkCallback | None = None) -> ReceiptVerification:
+    """Rerun the receipt's generation fresh (no graft, all input tokens from position 0) and compare hashes."""
+    env_diff = check_fingerprint(receipt.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
+    params = receipt.sampling
+    cache = DynamicCache(config=engine.model.config)
+    rerun = decode(
+        engine.model,
+        engine.tokenizer,
+        engine.schedule,
+        cache,
+        receipt.input_tokens,
+        0,
+        params,
+        time.perf_counter(),
+        on_chunk=on_chunk,
+    )
+    first_divergence = next(
+        (i for i, (a, b) in enumerate(zip(receipt.output_tokens, rerun.output_tokens, strict=False)) if a != b),
+        None
+        if len(receipt.output_tokens) == len(rerun.output_tokens)
+        else min(len(receipt.output_tokens), len(rerun.output_tokens)),
+    )
+    return ReceiptVerification(
+        receipt_id=receipt.id,
+        tokens_equal=rerun.output_tokens == receipt.output_tokens,
+        logits_equal=rerun.logits_chain == receipt.logits_chain_sha256,
+        first_divergence=first_divergence,
+        rerun_ttft_s=rerun.ttft_s,
+        environment_differences=env_diff,
+    )

@@ -1,0 +1,103 @@
+"""The exactness contract: build -> store -> load -> continue equals the fresh run, bit for bit.
+
+Parametrized over every random architecture and both dtypes, for graft lengths that are and are not multiples
+of C, and longer than the sliding window (32) of the mistral and gemma models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TEST_CHUNK, EngineFactory
+from transformers import DynamicCache
+
+from kvgraft.cache_state import capture
+from kvgraft.generate import decode
+from kvgraft.graft_format import entries_for
+from kvgraft.hashing import sha256_tensor
+from kvgraft.models.random_models import RANDOM_ARCHS
+from kvgraft.receipt import SamplingParams
+from kvgraft.schedule import forward_tokens
+from kvgraft.verify import verify_graft, verify_receipt
+
+# Byte tokenizer: len(text) + 1 (BOS) tokens. 48 = 3C (a multiple of C: the graft stores next-token logits),
+# 81 = 5C + 1, 260 = 16C + 4; all but 48 are longer than the sliding window (32). At 256 tokens an unscheduled
+# prefill already differs in its bits (see the control test below), so these lengths make the schedule matter.
+LENGTHS = [48, 81, 260]
+
+
+def _text(n_tokens: int) -> str:
+    base = "The state of a model after reading, kept and restored exactly. "
+    return (base * 5)[: n_tokens - 1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", list(RANDOM_ARCHS))
+def test_grafted_generation_equals_fresh_run(make_engine: EngineFactory, arch: str, dtype: str) -> None:
+    engine = make_engine(f"random:{arch}", dtype)
+    params = SamplingParams(max_new_tokens=6)
+    for n in LENGTHS:
+        put = engine.put(_text(n))
+        assert put.tokens == n
+        assert put.aligned_tokens == (n // TEST_CHUNK) * TEST_CHUNK
+        grafted = engine.generate(" and then", graft_id=put.id, params=params, keep_logits=True)
+        # The fresh run: no graft, every input token from position 0 under the same schedule.
+        fresh = decode(
+            engine.model,
+            engine.tokenizer,
+            engine.schedule,
+            DynamicCache(config=engine.model.config),
+            grafted.receipt.input_tokens,
+            0,
+            params,
+            0.0,
+            keep_logits=True,
+        )
+        assert fresh.output_tokens == grafted.output_tokens
+        assert [sha256_tensor(x) for x in fresh.step_logits] == [
+            sha256_tensor(x) for x in grafted.generation.step_logits
+        ]
+        assert fresh.logits_chain == grafted.receipt.logits_chain_sha256
+        assert verify_receipt(engine, grafted.receipt).exact
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma4"])
+def test_verify_recomputes_every_tensor_hash(make_engine: EngineFactory, arch: str) -> None:
+    engine = make_engine(f"random:{arch}")
+    put = engine.put(_text(260))
+    result = verify_graft(engine, put.id)
+    assert (result.exact, result.kv_equal, result.logits_equal, result.kl, result.argmax_agree) == (
+        True,
+        True,
+        True,
+        0.0,
+        True,
+    )
+
+
+def test_sampling_is_reproduced_from_the_seed(make_engine: EngineFactory) -> None:
+    engine = make_engine("random:qwen3")
+    put = engine.put(_text(81))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    first = engine.generate(" x", graft_id=put.id, params=params)
+    again = engine.generate(" x", graft_id=put.id, params=params)
+    other = engine.generate(" x", graft_id=put.id, params=SamplingParams(max_new_tokens=12, temperature=1.0, seed=8))
+    assert first.output_tokens == again.output_tokens
+    assert first.output_tokens != other.output_tokens
+    assert verify_receipt(engine, first.receipt).exact
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma4"])
+def test_unscheduled_prefill_is_not_bitwise_equal(make_engine: EngineFactory, arch: str) -> None:
+    """The control that shows the exactness tests can fail: KV from one unchunked forward differs in its bits
+    from the same prefix computed under the schedule (DESIGN.md, section 1)."""
+    engine = make_engine(f"random:{arch}")
+    tokens = engine.encode_context(_text(260))[:256]
+    scheduled = DynamicCache(config=engine.model.config)
+    forward_tokens(engine.model, scheduled, tokens, 0, engine.schedule)
+    one_shot = DynamicCache(config=engine.model.config)
+    with torch.inference_mode():
+        engine.model(input_ids=torch.tensor([tokens]), cache=one_shot, use_cache=True)
+    a, _ = entries_for(capture(scheduled))
+    b, _ = entries_for(capture(one_shot))
+    assert [e.key_sha256 for e in a] != [e.key_sha256 for e in b]
