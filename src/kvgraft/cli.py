@@ -188,6 +188,11 @@ def build(
     else:
         body = text if text is not None else _read_text_file(file)  # type: ignore[arg-type]
         items = [(body, {"title": title} if title else {})]
+    for number, (body, _) in enumerate(items, start=1):
+        try:
+            engine.check_text(body)  # all texts are checked before any graft is stored
+        except BadInputError as exc:
+            raise BadInputError(f"{jsonl}:{number}: {exc}" if jsonl is not None else str(exc)) from None
     results = []
     with _progress("building", not as_json) as on_chunk:
         for body, metadata in items:

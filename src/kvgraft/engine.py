@@ -145,14 +145,19 @@ class Engine:
 
     # --- build and store ----------------------------------------------------------------------------------
 
+    def check_text(self, text: str) -> list[int]:
+        """The tokens of a graft text; raises BadInputError if it is empty or longer than the model's positions."""
+        if not text.strip():
+            raise BadInputError("text is empty; a graft needs some text")
+        tokens = self.encode_context(text)
+        self._check_length(len(tokens), "text")
+        return tokens
+
     def build(
         self, text: str, metadata: dict[str, Any] | None = None, on_chunk: ChunkCallback | None = None
     ) -> BuiltGraft:
         """Compute a graft of `text`: KV of its C-aligned prefix under the schedule, plus all its token ids."""
-        if not text.strip():
-            raise BadInputError("text is empty; a graft needs some text")
-        tokens = self.encode_context(text)
-        self._check_length(tokens.__len__(), "text")
+        tokens = self.check_text(text)
         aligned = self.schedule.aligned_length(len(tokens))
         cache = DynamicCache(config=self.model.config)
         next_logits_sha = None
@@ -203,6 +208,7 @@ class Engine:
         t1 = time.perf_counter()
         cache = restore(states_from(stored.manifest, stored.tensors), self.model.config, self.model.device)
         next_logits = stored.tensors.get(NEXT_LOGITS_NAME)
+        next_logits = next_logits.reshape(-1) if next_logits is not None else None
         return RestoredGraft(stored.manifest, cache, next_logits, env_diff, t1 - t0, time.perf_counter() - t1)
 
     def generate(

@@ -25,6 +25,7 @@ from kvgraft.hashing import Sha256Hex, sha256_json, sha256_tensor
 
 # Keys of config.to_dict() that name or describe a checkout rather than define the computation.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "_commit_hash"}
+MODEL_KEYS = ("weights_sha256", "config_sha256", "tokenizer_sha256", "dtype", "attn_implementation")
 _weights_cache: weakref.WeakKeyDictionary[PreTrainedModel, Sha256Hex] = weakref.WeakKeyDictionary()
 
 
@@ -39,7 +40,15 @@ class Fingerprint:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fingerprint:
-        return cls(model=dict(data["model"]), schedule=dict(data["schedule"]), environment=dict(data["environment"]))
+        """Parse and type-check; raises KeyError, TypeError or ValueError on a malformed fingerprint."""
+        model = {str(k): str(v) for k, v in dict(data["model"]).items()}
+        missing = sorted(set(MODEL_KEYS) - set(model))
+        if missing:
+            raise KeyError(f"fingerprint.model lacks {', '.join(missing)}")
+        chunk_size = data["schedule"]["chunk_size"]
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError(f"fingerprint.schedule.chunk_size must be a positive integer, got {chunk_size!r}")
+        return cls(model=model, schedule={"chunk_size": chunk_size}, environment=dict(data["environment"]))
 
 
 def weights_sha256(model: PreTrainedModel) -> Sha256Hex:

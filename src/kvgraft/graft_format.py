@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ _SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "F64": torch.float64,
 }
+_TENSORS_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")
 _KINDS: tuple[LayerKind, ...] = ("full", "sliding", "shared")
 
 
@@ -46,6 +48,9 @@ class LayerEntry:
     key_sha256: Sha256Hex | None
     value_sha256: Sha256Hex | None
     cumulative_length: int
+    key_shape: list[int] | None = None
+    """[1, kv_heads, stored, head_dim]; None when the layer stores no tensor (so for value_shape)."""
+    value_shape: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +59,8 @@ class LayerEntry:
             "value": self.value,
             "key_sha256": self.key_sha256,
             "value_sha256": self.value_sha256,
+            "key_shape": self.key_shape,
+            "value_shape": self.value_shape,
             "cumulative_length": self.cumulative_length,
         }
 
@@ -140,6 +147,8 @@ def entries_for(states: list[LayerState]) -> tuple[list[LayerEntry], dict[str, t
                 sha256_tensor(tensors[key_name]),
                 sha256_tensor(tensors[value_name]),
                 state.cumulative_length,
+                list(state.keys.shape),
+                list(state.values.shape),
             )
         )
     return entries, tensors
@@ -167,23 +176,27 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         )
     try:
         manifest = _manifest_from_json(data)
-    except (KeyError, TypeError, ValueError) as exc:
+        computed = manifest.id
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # UnicodeError is a ValueError
         raise FormatError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
-    if data.get("id") != manifest.id:
+    if data.get("id") != computed:
         raise IntegrityError(f"{where}: manifest id {data.get('id')!r} does not match its content hash {manifest.id}")
     return manifest
 
 
 def _manifest_from_json(data: dict[str, Any]) -> Manifest:
     tokens = data["tokens"]
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
         raise ValueError("tokens must be a list of non-negative integers")
-    layers = [_layer_from_json(entry) for entry in data["layers"]]
+    aligned, chunk_size = _int(data["aligned_tokens"], "aligned_tokens"), _int(data["chunk_size"], "chunk_size")
+    if chunk_size < 1 or aligned != len(tokens) // chunk_size * chunk_size:
+        raise ValueError("aligned_tokens must be the largest multiple of chunk_size not above the token count")
+    layers = [_layer_from_json(entry, aligned) for entry in data["layers"]]
     provenance = data["provenance"]
     manifest = Manifest(
         tokens=tokens,
-        aligned_tokens=_int(data["aligned_tokens"], "aligned_tokens"),
-        chunk_size=_int(data["chunk_size"], "chunk_size"),
+        aligned_tokens=aligned,
+        chunk_size=chunk_size,
         dtype=str(data["dtype"]),
         fingerprint=Fingerprint.from_json(data["fingerprint"]),
         layers=layers,
@@ -195,12 +208,14 @@ def _manifest_from_json(data: dict[str, Any]) -> Manifest:
         next_logits_sha256=_next_logits_sha(data["next_token_logits"]),
         tensors_file=str(data["tensors_file"]),
     )
-    if manifest.chunk_size < 1 or manifest.aligned_tokens != len(tokens) // manifest.chunk_size * manifest.chunk_size:
-        raise ValueError("aligned_tokens must be the largest multiple of chunk_size not above the token count")
     if (manifest.next_logits_sha256 is not None) != (0 < manifest.aligned_tokens == len(tokens)):
         raise ValueError("next_token_logits must be present exactly when every token has stored KV")
-    if "/" in manifest.tensors_file or "\\" in manifest.tensors_file or manifest.tensors_file.startswith("."):
-        raise ValueError("tensors_file must be a plain file name beside the manifest")
+    if not _TENSORS_FILE.match(manifest.tensors_file):
+        raise ValueError("tensors_file must be a plain *.safetensors file name beside the manifest")
+    if manifest.chunk_size != manifest.fingerprint.schedule["chunk_size"]:
+        raise ValueError("chunk_size differs from fingerprint.schedule.chunk_size")
+    if manifest.dtype != manifest.fingerprint.model["dtype"]:
+        raise ValueError("dtype differs from fingerprint.model.dtype")
     return manifest
 
 
@@ -218,18 +233,36 @@ def _int(value: Any, name: str) -> int:
     return value
 
 
-def _layer_from_json(entry: dict[str, Any]) -> LayerEntry:
+def _layer_from_json(entry: dict[str, Any], aligned: int) -> LayerEntry:
     kind = entry["kind"]
     if kind not in _KINDS:
         raise ValueError(f"unknown layer kind {kind!r}")
-    return LayerEntry(
+    layer = LayerEntry(
         kind=kind,
         key=entry["key"],
         value=entry["value"],
         key_sha256=entry["key_sha256"],
         value_sha256=entry["value_sha256"],
         cumulative_length=_int(entry["cumulative_length"], "cumulative_length"),
+        key_shape=_shape(entry["key_shape"]),
+        value_shape=_shape(entry["value_shape"]),
     )
+    stores = kind != "shared" and aligned > 0
+    fields = (layer.key, layer.value, layer.key_sha256, layer.value_sha256, layer.key_shape, layer.value_shape)
+    if not all((f is not None) == stores for f in fields):
+        raise ValueError(f"a {kind} layer entry must {'name' if stores else 'not name'} key and value tensors")
+    if layer.cumulative_length != aligned:
+        raise ValueError("cumulative_length must equal aligned_tokens")
+    for shape in (layer.key_shape, layer.value_shape):
+        if shape is not None and (len(shape) != 4 or shape[0] != 1 or not 0 < shape[2] <= aligned):
+            raise ValueError(f"shape {shape} is not [1, kv_heads, stored <= aligned_tokens, head_dim]")
+    if layer.key_shape is not None and layer.value_shape is not None and layer.key_shape[:3] != layer.value_shape[:3]:
+        raise ValueError("key and value shapes differ in more than head_dim")
+    return layer
+
+
+def _shape(value: Any) -> list[int] | None:
+    return None if value is None else [_int(d, "shape") for d in value]
 
 
 @dataclass(frozen=True)
@@ -252,21 +285,36 @@ def _read_header(handle: BinaryIO, file_size: int, where: str) -> tuple[int, dic
         header = json.loads(handle.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise FormatError(f"{where}: tensors file header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{where}: tensors file header is not a JSON object")
     header.pop("__metadata__", None)
     data_start = 8 + header_len
     infos: dict[str, _TensorInfo] = {}
     for name, info in header.items():
-        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise FormatError(f"{where}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
-        start, end = info["data_offsets"]
-        infos[name] = _TensorInfo(dtype, list(info["shape"]), data_start + start, data_start + end)
+        try:
+            infos[name] = _tensor_info(info, data_start)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FormatError(f"{where}: tensors file header entry {name!r} is malformed ({exc})") from None
     data_end = max((t.end for t in infos.values()), default=data_start)
     if data_end != file_size:
         raise FormatError(
             f"{where}: tensors file is {file_size} bytes, its header describes {data_end}: truncated or padded"
         )
     return data_start, infos
+
+
+def _tensor_info(info: Any, data_start: int) -> _TensorInfo:
+    dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise ValueError(f"unsupported dtype {info['dtype']!r}")
+    shape = [int(d) for d in info["shape"]]
+    start, end = (int(x) for x in info["data_offsets"])
+    count = 1
+    for dim in shape:
+        count *= dim
+    if not 0 <= start <= end or end - start != count * dtype.itemsize or min(shape, default=0) < 0:
+        raise ValueError(f"offsets {start}..{end} do not hold a {dtype} tensor of shape {shape}")
+    return _TensorInfo(dtype, shape, data_start + start, data_start + end)
 
 
 def expected_hashes(manifest: Manifest) -> dict[str, Sha256Hex | None]:
@@ -278,6 +326,16 @@ def expected_hashes(manifest: Manifest) -> dict[str, Sha256Hex | None]:
     if manifest.next_logits_sha256:
         expected[NEXT_LOGITS_NAME] = manifest.next_logits_sha256
     return expected
+
+
+def expected_shapes(manifest: Manifest) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    for entry in manifest.layers:
+        if entry.key and entry.key_shape is not None:
+            shapes[entry.key] = entry.key_shape
+        if entry.value and entry.value_shape is not None:
+            shapes[entry.value] = entry.value_shape
+    return shapes
 
 
 def read_tensors_checked(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -301,11 +359,14 @@ def read_tensors_checked(path: Path, manifest: Manifest) -> dict[str, torch.Tens
         base = ordered[0][0] if ordered else 0
         buffer = bytearray(max((infos[name].end for name in expected), default=base) - base)
         view = memoryview(buffer)
-        handle.seek(base)
+        shapes = expected_shapes(manifest)
         for _, name in ordered:
             info = infos[name]
+            if name in shapes and info.shape != shapes[name]:
+                raise FormatError(f"{where}: tensor {name} has shape {info.shape}, the manifest says {shapes[name]}")
             hasher = hashlib.sha256()
             position = info.start
+            handle.seek(position)
             while position < info.end:
                 n = min(_READ_PIECE, info.end - position)
                 piece = view[position - base : position - base + n]

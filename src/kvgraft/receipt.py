@@ -121,10 +121,12 @@ def parse_receipt(raw: str, where: str) -> Receipt:
             created_at=str(data["created_at"]),
             timings={str(k): float(v) for k, v in data["timings"].items()},
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"{where}: malformed receipt ({type(exc).__name__}: {exc})") from None
     if data.get("input_sha256") != sha256_token_ids(receipt.input_tokens):
         raise FormatError(f"{where}: input_sha256 does not match input_tokens")
     if data.get("output_sha256") != sha256_token_ids(receipt.output_tokens):
         raise FormatError(f"{where}: output_sha256 does not match output_tokens")
+    if data.get("id") != receipt.id:
+        raise FormatError(f"{where}: receipt id does not match its content (the receipt was edited)")
     return receipt

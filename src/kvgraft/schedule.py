@@ -62,6 +62,10 @@ def forward_tokens(
         raise BadInputError("nothing to compute: no tokens after the graft")
     if cache.get_seq_length() != start:
         raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens, expected {start}")
+    vocab = int(model.config.get_text_config().vocab_size)
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BadInputError(f"token id {bad} is outside the model's vocabulary of {vocab}")
     device = model.device
     logits: torch.Tensor | None = None
     end = start + len(token_ids)
