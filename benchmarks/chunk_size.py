@@ -11,10 +11,11 @@ import statistics
 import time
 
 import torch
-from _shapes import llama_1b_like
 from transformers import DynamicCache
 
 from kvgraft.schedule import ChunkSchedule, forward_tokens
+
+from _shapes import llama_1b_like
 
 
 def main() -> None:

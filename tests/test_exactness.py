@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TEST_CHUNK, EngineFactory
 from transformers import DynamicCache
 
 from kvgraft.cache_state import capture
@@ -19,6 +18,8 @@ from kvgraft.models.random_models import RANDOM_ARCHS
 from kvgraft.receipt import SamplingParams
 from kvgraft.schedule import forward_tokens
 from kvgraft.verify import verify_graft, verify_receipt
+
+from conftest import TEST_CHUNK, EngineFactory
 
 # Byte tokenizer: len(text) + 1 (BOS) tokens. 48 = 3C (a multiple of C: the graft stores next-token logits),
 # 81 = 5C + 1, 260 = 16C + 4; all but 48 are longer than the sliding window (32). At 256 tokens an unscheduled
