@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -42,23 +42,8 @@ class DemoReport:
         return self.graft_verified and self.receipt_verified
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "graft_id": self.graft_id,
-            "graft_tokens": self.graft_tokens,
-            "aligned_tokens": self.aligned_tokens,
-            "graft_bytes": self.graft_bytes,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "build_s": self.build_s,
-            "ttft_restored_s": self.ttft_restored_s,
-            "ttft_recomputed_s": self.ttft_recomputed_s,
-            "ttft_speedup": self.ttft_recomputed_s / self.ttft_restored_s if self.ttft_restored_s else None,
-            "graft_verified": self.graft_verified,
-            "receipt_verified": self.receipt_verified,
-            "exact": self.exact,
-            "store": self.store,
-        }
+        speedup = self.ttft_recomputed_s / self.ttft_restored_s if self.ttft_restored_s else None
+        return asdict(self) | {"ttft_speedup": speedup, "exact": self.exact}
 
 
 def run_demo(

@@ -34,6 +34,8 @@ class Generation:
     ttft_s: float
     decode_s: float
     prefill_tokens: int
+    token_logprobs: list[float] = field(default_factory=list)
+    """Natural-log probability the model gave each output token (the model's own confidence)."""
     step_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -100,6 +102,7 @@ def decode(
         raise BadInputError("nothing to compute: give a prompt")
     position = start + len(pending)
     tokens: list[int] = []
+    logprobs: list[float] = []
     stop_reason = "length"
     ttft = 0.0
     first_at = started_at
@@ -107,8 +110,10 @@ def decode(
         chain.update(logits)
         if keep_logits:
             kept.append(logits.detach().clone())
-        token = _sample(logits.detach().to("cpu"), params, generator)
+        step = logits.detach().to("cpu")
+        token = _sample(step, params, generator)
         tokens.append(token)
+        logprobs.append(float(torch.log_softmax(step.double(), dim=-1)[token]))
         if len(tokens) == 1:
             first_at = time.perf_counter()
             ttft = first_at - started_at
@@ -136,5 +141,6 @@ def decode(
         ttft_s=ttft,
         decode_s=time.perf_counter() - first_at,
         prefill_tokens=len(pending),
+        token_logprobs=logprobs,
         step_logits=kept,
     )

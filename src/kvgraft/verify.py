@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -34,16 +34,7 @@ class GraftVerification:
         return self.kv_equal and self.logits_equal and not self.environment_differences
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "graft_id": self.graft_id,
-            "exact": self.exact,
-            "kv_equal": self.kv_equal,
-            "logits_equal": self.logits_equal,
-            "kl": self.kl,
-            "argmax_agree": self.argmax_agree,
-            "mismatched": list(self.mismatched),
-            "environment_differences": list(self.environment_differences),
-        }
+        return {"exact": self.exact, **asdict(self)}
 
 
 @dataclass
@@ -60,15 +51,7 @@ class ReceiptVerification:
         return self.tokens_equal and self.logits_equal and not self.environment_differences
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "receipt_id": self.receipt_id,
-            "exact": self.exact,
-            "tokens_equal": self.tokens_equal,
-            "logits_equal": self.logits_equal,
-            "first_divergence": self.first_divergence,
-            "rerun_ttft_s": self.rerun_ttft_s,
-            "environment_differences": list(self.environment_differences),
-        }
+        return {"exact": self.exact, **asdict(self)}
 
 
 def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:

@@ -29,11 +29,16 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Returns (model in eval mode, tokenizer).
 
-    `spec` is `random:<arch>` or `random:<arch>:<seed>` (arch: llama, mistral, qwen2, qwen3, gemma2, gemma3,
-    gemma4, gpt2; seed defaults to 0), a local model directory, or a hub id (needs network or a warm HF cache).
+    `spec` is `demo` (the small Gemma 4 model kvgraft trains and ships), `random:<arch>` or
+    `random:<arch>:<seed>` (arch: llama, mistral, qwen2, qwen3, gemma2, gemma3, gemma4, gpt2; seed defaults to
+    0), a local model directory, or a hub id (needs network or a warm HF cache).
     """
     torch_dtype = parse_dtype(dtype)
-    if spec.startswith("random:"):
+    if spec == "demo":
+        from kvgraft.models.demo_model import load_demo_model
+
+        model, tokenizer = load_demo_model(torch_dtype)
+    elif spec.startswith("random:"):
         model, tokenizer = _load_random(spec, torch_dtype)
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)

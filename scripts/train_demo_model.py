@@ -1,0 +1,182 @@
+"""Train the demo model (deterministic, CPU, once; never in CI) and write its weights into the package.
+
+Usage: python scripts/train_demo_model.py [--steps 3000] [--out src/kvgraft/data/demo_model]
+
+Data: packed 1024-token sequences of worked problems `Q:<problem>\\nA:<steps>. Answer:N\\n` from
+`kvgraft.problems.training_problems` (never an exam problem: checked by text hash). The mix teaches two skills:
+- solving: every document is a fresh problem solved step by step;
+- using worked solutions earlier in the context: a share of documents repeat a problem already solved earlier
+  in the same sequence (the right continuation is the verified solution above: copy it), and a share are near
+  misses of an earlier problem (one number changed: copying would be wrong, it must be solved).
+Question tokens get a lower loss weight than solution tokens (they are mostly unpredictable names and numbers,
+except in repeats, where they teach the model to recognise the repeat).
+
+Determinism: fixed seeds for data and weights, one process, torch threads fixed to 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from kvgraft.models.byte_tokenizer import BOS_ID, PAD_ID, build_byte_tokenizer
+from kvgraft.models.demo_model import CONTEXT, SHA_FILE, WEIGHTS_FILE, demo_config
+from kvgraft.problems import (
+    Problem,
+    Story,
+    exam_problems,
+    near_miss,
+    prompt_of,
+    render,
+    training_problems,
+    training_stories,
+)
+
+REPEAT_SHARE = 0.30
+NEAR_MISS_SHARE = 0.10
+QUESTION_WEIGHT = 0.25
+
+
+def sequences(seed: int, batch: int):  # type: ignore[no-untyped-def]
+    """Yields (input_ids, loss_weights) tensors of shape [batch, CONTEXT], forever, deterministically."""
+    tokenizer = build_byte_tokenizer()
+    rng = random.Random(seed)
+    pool_seed = seed * 1000
+    pool: list[Story] = []
+    exam = {p.text_sha256 for p in exam_problems()}
+    while True:
+        ids = torch.full((batch, CONTEXT), PAD_ID, dtype=torch.long)
+        weights = torch.zeros((batch, CONTEXT))
+        for row in range(batch):
+            tokens, wts = [BOS_ID], [0.0]
+            earlier: list[Story] = []
+            while True:
+                if not pool:
+                    pool_seed += 1
+                    pool = training_stories(pool_seed, 512)
+                roll = rng.random()
+                if earlier and roll < REPEAT_SHARE:
+                    story = rng.choice(earlier)
+                elif earlier and roll < REPEAT_SHARE + NEAR_MISS_SHARE:
+                    story = near_miss(rng.choice(earlier), rng)
+                else:
+                    story = pool.pop()
+                problem = render(story)
+                if problem.text_sha256 in exam:  # a near miss may land on an exam problem: never train on it
+                    continue
+                question = tokenizer(prompt_of(problem.text), add_special_tokens=False)["input_ids"]
+                answer = tokenizer(problem.solution + "\n", add_special_tokens=False)["input_ids"]
+                if len(tokens) + len(question) + len(answer) > CONTEXT:
+                    break
+                tokens += question + answer
+                wts += [QUESTION_WEIGHT] * len(question) + [1.0] * len(answer)
+                earlier.append(story)
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            weights[row, : len(wts)] = torch.tensor(wts)
+        yield ids, weights
+
+
+def greedy_pass_at_1(model: torch.nn.Module, problems: list[Problem]) -> tuple[float, float]:
+    """(accuracy, mean decode tokens) with greedy decoding from `<bos>Q:...\\nA:`, stopping at a newline."""
+    from kvgraft.answers import extract_integer_answer
+    from kvgraft.engine import Engine
+    from kvgraft.receipt import SamplingParams
+    from kvgraft.store import LocalStore
+
+    engine = Engine(model, build_byte_tokenizer(), "demo", store=LocalStore(Path("/nonexistent")))  # type: ignore[arg-type]
+    correct, tokens = 0, 0
+    for problem in problems:
+        result = engine.generate(prompt_of(problem.text), params=SamplingParams(max_new_tokens=160, stop=("\n",)))
+        correct += extract_integer_answer(result.text) == problem.answer
+        tokens += len(result.output_tokens)
+    return correct / len(problems), tokens / len(problems)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("src/kvgraft/data/demo_model"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(demo_config(), dtype=torch.float32)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, args.steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, args.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    data = sequences(args.seed, args.batch)
+    started = time.perf_counter()
+    for step in range(args.steps):
+        ids, weights = next(data)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        targets, w = ids[:, 1:], weights[:, 1:]
+        loss_per = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        )
+        loss = (loss_per * w.reshape(-1)).sum() / w.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if step % 100 == 0 or step == args.steps - 1:
+            elapsed = time.perf_counter() - started
+            rate = (step + 1) * args.batch * CONTEXT / elapsed
+            print(
+                f"step {step:5d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
+                f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min",
+                flush=True,
+            )
+    train_minutes = (time.perf_counter() - started) / 60
+    model.eval()
+    held_out = training_problems(999_999, 100)
+    accuracy, mean_tokens = greedy_pass_at_1(model, held_out)
+    exam_accuracy, _ = greedy_pass_at_1(model, exam_problems())
+    args.out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(args.out / WEIGHTS_FILE), metadata={"format": "pt"})
+    digest = hashlib.sha256((args.out / WEIGHTS_FILE).read_bytes()).hexdigest()
+    (args.out / SHA_FILE).write_text(f"{digest}  {WEIGHTS_FILE}\n")
+    facts = {
+        "architecture": "Gemma4 (gemma4_text)",
+        "parameters": params,
+        "weights_bytes": (args.out / WEIGHTS_FILE).stat().st_size,
+        "weights_sha256": digest,
+        "steps": args.steps,
+        "batch": args.batch,
+        "context": CONTEXT,
+        "tokens_seen": args.steps * args.batch * CONTEXT,
+        "train_minutes": round(train_minutes, 1),
+        "threads": torch.get_num_threads(),
+        "held_out_greedy_pass_at_1": accuracy,
+        "held_out_mean_decode_tokens": mean_tokens,
+        "exam_greedy_pass_at_1": exam_accuracy,
+        "seed": args.seed,
+        "mix": {"repeat": REPEAT_SHARE, "near_miss": NEAR_MISS_SHARE, "question_loss_weight": QUESTION_WEIGHT},
+    }
+    (args.out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
+    print(json.dumps(facts, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""A deterministic family of arithmetic word problems with integer answers and worked solutions.
+
+Each problem starts from a count and applies 2-4 events: gains, losses, or k bags of m added or removed (a bag
+event is two written steps: k*m, then the add or subtract). The worked solution writes every step, then
+`Answer:N`. Difficulty raises the number of events and the size of the numbers.
+
+The demo exam (30 problems, AIME-sized) comes from its own seed; training problems come from other seeds and
+skip any problem whose text hash is in the exam, so the two never overlap.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from kvgraft.hashing import Sha256Hex, sha256_bytes
+
+EXAM_SEED = 20251130
+EXAM_SIZE = 30
+ANSWER_MARK = "Answer:"
+
+_NAMES = ["Ada", "Ben", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned", "Oli", "Pam"]
+_ITEMS = ["cards", "coins", "apples", "pens", "stamps", "shells", "beads", "books", "eggs", "nuts", "rocks", "cups"]
+_GAIN = ["Gets", "Finds", "Buys", "Wins"]
+_LOSE = ["Loses", "Uses", "Sells", "Gives away"]
+_BAGS = ["boxes", "bags", "packs", "jars"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    text: str
+    answer: int
+    solution: str
+    """Worked steps ending in `Answer:N` (no trailing newline)."""
+
+    @property
+    def text_sha256(self) -> Sha256Hex:
+        return sha256_bytes(self.text.encode())
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change of the count: `amount` items, or `bags` containers of `amount` items each (bags > 0)."""
+
+    gain: bool
+    amount: int
+    bags: int
+    verb_index: int
+    container: str
+
+
+@dataclass(frozen=True)
+class Story:
+    name: str
+    item: str
+    start: int
+    events: tuple[Event, ...]
+
+
+def prompt_of(text: str) -> str:
+    """The exact prompt the model is asked for a problem: `Q:<problem>\\nA:`."""
+    return f"Q:{text}\nA:"
+
+
+def render(story: Story, problem_id: str = "") -> Problem:
+    """Text and worked solution of a story; a loss larger than the count becomes a gain, so counts stay >= 0."""
+    value = story.start
+    sentences = [f"{story.name} has {value} {story.item}."]
+    steps: list[str] = []
+    for event in story.events:
+        delta = event.amount * event.bags if event.bags else event.amount
+        gain = event.gain or value < delta
+        verbs = (_GAIN[:2] if event.bags else _GAIN) if gain else _LOSE
+        verb = verbs[event.verb_index % len(verbs)]
+        if event.bags:
+            sentences.append(f"{verb} {event.bags} {event.container} of {event.amount}.")
+            steps.append(f"{event.bags}*{event.amount}={delta}")
+        else:
+            sentences.append(f"{verb} {event.amount}.")
+        new = value + delta if gain else value - delta
+        steps.append(f"{value}{'+' if gain else '-'}{delta}={new}")
+        value = new
+    sentences.append(f"How many {story.item} now?")
+    return Problem(problem_id, " ".join(sentences), value, ", ".join(steps) + f". {ANSWER_MARK}{value}")
+
+
+def draw_story(rng: random.Random, difficulty: int = 1) -> Story:
+    """Difficulty 1: 2-3 events, numbers below 60; difficulty 2: 3-4 events, larger numbers."""
+    n_events = rng.randint(2, 3) if difficulty <= 1 else rng.randint(3, 4)
+    events = []
+    for _ in range(n_events):
+        bags = rng.randint(2, 5) if rng.random() < 1 / 3 else 0
+        amount = rng.randint(2, 9) if bags else rng.randint(2, 19 if difficulty <= 1 else 39)
+        events.append(Event(rng.random() < 0.5, amount, bags, rng.randrange(4), rng.choice(_BAGS)))
+    start = rng.randint(10, 59 if difficulty <= 1 else 99)
+    return Story(rng.choice(_NAMES), rng.choice(_ITEMS), start, tuple(events))
+
+
+def near_miss(story: Story, rng: random.Random) -> Story:
+    """The same story with one number changed: reading the original's solution would give a wrong answer."""
+    which = rng.randrange(len(story.events) + 1)
+    if which == len(story.events):
+        return replace(story, start=story.start + rng.choice([-3, -2, -1, 1, 2, 3]))
+    events = list(story.events)
+    event = events[which]
+    events[which] = replace(event, amount=max(2, event.amount + rng.choice([-2, -1, 1, 2])) + (event.amount <= 2))
+    return replace(story, events=tuple(events))
+
+
+def generate_problem(rng: random.Random, difficulty: int = 1, problem_id: str = "") -> Problem:
+    return render(draw_story(rng, difficulty), problem_id)
+
+
+def exam_stories(size: int = EXAM_SIZE, difficulty: int = 1) -> list[Story]:
+    rng = random.Random(EXAM_SEED)
+    stories: list[Story] = []
+    texts: set[str] = set()
+    while len(stories) < size:
+        story = draw_story(rng, difficulty)
+        text = render(story).text
+        if text not in texts:
+            texts.add(text)
+            stories.append(story)
+    return stories
+
+
+def exam_problems(size: int = EXAM_SIZE, difficulty: int = 1) -> list[Problem]:
+    return [render(story, f"exam-{i:02d}") for i, story in enumerate(exam_stories(size, difficulty))]
+
+
+def training_stories(seed: int, count: int, difficulty: int = 1) -> list[Story]:
+    """`count` stories from `seed`, none of whose text hash is an exam problem's."""
+    exam = {p.text_sha256 for p in exam_problems(difficulty=difficulty)}
+    rng = random.Random(seed)
+    stories: list[Story] = []
+    while len(stories) < count:
+        story = draw_story(rng, difficulty)
+        if render(story).text_sha256 not in exam:
+            stories.append(story)
+    return stories
+
+
+def training_problems(seed: int, count: int, difficulty: int = 1) -> list[Problem]:
+    return [render(story, f"train-{seed}-{i}") for i, story in enumerate(training_stories(seed, count, difficulty))]

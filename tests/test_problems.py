@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+from kvgraft.problems import (
+    EXAM_SIZE,
+    exam_problems,
+    near_miss,
+    render,
+    training_problems,
+    training_stories,
+)
+
+
+def test_generator_is_deterministic_across_processes() -> None:
+    code = "from kvgraft.problems import exam_problems; print([p.text_sha256 for p in exam_problems()])"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == str([p.text_sha256 for p in exam_problems()])
+    assert training_problems(5, 50) == training_problems(5, 50)
+
+
+def test_worked_solutions_compute_the_answer() -> None:
+    for problem in exam_problems() + training_problems(3, 200):
+        steps = problem.solution.rsplit(". Answer:", 1)[0].split(", ")
+        for step in steps:
+            expression, result = step.split("=")
+            assert eval(expression) == int(result)  # noqa: S307 - digits and + - * only
+        assert int(steps[-1].split("=")[1]) == problem.answer >= 0
+        assert problem.solution.endswith(f"Answer:{problem.answer}")
+
+
+def test_exam_and_training_never_overlap() -> None:
+    exam = exam_problems()
+    assert len(exam) == EXAM_SIZE == len({p.text_sha256 for p in exam})
+    exam_hashes = {p.text_sha256 for p in exam}
+    # The trainer draws from seeds 1000+; check a wide sample of them by hash.
+    for seed in range(1001, 1041):
+        assert not exam_hashes & {p.text_sha256 for p in training_problems(seed, 512)}
+
+
+def test_near_miss_changes_the_answer_or_the_text() -> None:
+    rng = random.Random(0)
+    for story in training_stories(7, 100):
+        other = near_miss(story, rng)
+        assert render(other).text != render(story).text
