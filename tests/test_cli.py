@@ -338,7 +338,7 @@ def test_rm_then_ls_is_empty(store: Path) -> None:
 
 
 def test_demo_json(tmp_path: Path) -> None:
-    data = ok_json(cli("demo", "--json", "--store", tmp_path / "store"))
+    data = ok_json(cli("demo", "--exactness", "--json", "--store", tmp_path / "store"))
     assert data["model"] == "random:gemma4"
     assert data["exact"] is True
     assert data["graft_verified"] is True

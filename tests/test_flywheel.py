@@ -27,7 +27,9 @@ def test_import_stores_only_verified_solutions(make_engine: EngineFactory) -> No
     assert stored == {item.id for item in items}
     manifest = engine.store.manifest(records[0].graft_id or "")
     assert manifest.metadata["kind"] == "replay" and manifest.metadata["answer"] == items[0].answer
-    assert engine.tokenizer.decode(manifest.tokens, skip_special_tokens=True) == replay_text(items[0], items[0].solution or "")
+    assert engine.tokenizer.decode(manifest.tokens, skip_special_tokens=True) == replay_text(
+        items[0], items[0].solution or ""
+    )
     assert verify_graft(engine, manifest.id).exact
 
 

@@ -26,7 +26,7 @@ def test_worked_solutions_compute_the_answer() -> None:
         steps = problem.solution.rsplit(". Answer:", 1)[0].split(", ")
         for step in steps:
             expression, result = step.split("=")
-            assert eval(expression) == int(result)  # noqa: S307 - digits and + - * only
+            assert eval(expression) == int(result)
         assert int(steps[-1].split("=")[1]) == problem.answer >= 0
         assert problem.solution.endswith(f"Answer:{problem.answer}")
 
@@ -35,8 +35,9 @@ def test_exam_and_training_never_overlap() -> None:
     exam = exam_problems()
     assert len(exam) == EXAM_SIZE == len({p.text_sha256 for p in exam})
     exam_hashes = {p.text_sha256 for p in exam}
-    # The trainer draws from seeds 1000+; check a wide sample of them by hash.
-    for seed in range(1001, 1041):
+    # The trainer draws pools of 512 from seeds 1001, 1002, ... (the shipped model used fewer than 100 pools) and
+    # drops any near miss whose hash is an exam problem's; check every pool it can have used, by hash.
+    for seed in range(1001, 1101):
         assert not exam_hashes & {p.text_sha256 for p in training_problems(seed, 512)}
 
 

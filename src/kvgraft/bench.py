@@ -23,6 +23,7 @@ from kvgraft.answers import answers_match, extract_answer
 from kvgraft.datasets import Item
 from kvgraft.energy import EnergyMeter
 from kvgraft.engine import Engine, GenerationResult
+from kvgraft.errors import BadInputError
 from kvgraft.library import Library
 from kvgraft.problems import ANSWER_MARK, prompt_of
 from kvgraft.receipt import SamplingParams
@@ -56,6 +57,8 @@ class Answer:
     score: float | None = None
     receipt_id: str | None = None
     receipt_verified: bool | None = None
+    error: str | None = None
+    """why no answer was produced (e.g. the prompt does not fit the model's positions); counted as wrong"""
 
 
 @dataclass
@@ -92,15 +95,19 @@ def answer_confidence(engine: Engine, result: GenerationResult, answer_only: boo
 
 def _ask(
     engine: Engine, item: Item, budget: int, path: str, graft_id: str | None, score: float | None
-) -> tuple[Answer, GenerationResult]:
+) -> tuple[Answer, GenerationResult | None]:
     params = SamplingParams(max_new_tokens=budget, stop=STOP)
     started = time.perf_counter()
-    if path == "replay":
-        result = engine.generate("", graft_id=graft_id, params=params)
-        text = ANSWER_MARK + result.text
-    else:
-        result = engine.generate(prompt_of(item.problem), graft_id=graft_id, params=params)
-        text = result.text
+    try:
+        if path == "replay":
+            result = engine.generate("", graft_id=graft_id, params=params)
+            text = ANSWER_MARK + result.text
+        else:
+            result = engine.generate(prompt_of(item.problem), graft_id=graft_id, params=params)
+            text = result.text
+    except BadInputError as exc:
+        wall = time.perf_counter() - started
+        return Answer(path, None, False, 0, 0.0, wall, 0.0, graft_id, score, error=str(exc)), None
     predicted = extract_answer(text)
     answer = Answer(
         path=path,
@@ -140,12 +147,11 @@ def run_ladder(
         bare, _ = _ask(engine, item, budget, "bare", None, None)
         replay = library.find_replay(engine.encode_context(prompt_of(item.problem)))
         hits = [] if replay else library.search_blocks(item.problem, k=1)
-        if replay:
-            grafted, result = _ask(engine, item, budget, "replay", replay, 1.0)
-            receipts.append((grafted, result))
-        elif hits:
-            grafted, result = _ask(engine, item, budget, "block", hits[0].graft_id, hits[0].match)
-            receipts.append((grafted, result))
+        if replay or hits:
+            path, graft_id, score = ("replay", replay, 1.0) if replay else ("block", hits[0].graft_id, hits[0].match)
+            grafted, result = _ask(engine, item, budget, path, graft_id, score)
+            if result is not None:
+                receipts.append((grafted, result))
         else:
             grafted = bare
         passes = grafted.path != "bare" and (grafted.score or 0.0) >= gate.min_match
@@ -236,5 +242,6 @@ def summarize(results: list[ProblemResult], budget: int, facts: dict[str, Any], 
         "energy": facts["energy"],
         "wall_s": facts["wall_s"],
         "receipts": facts["receipts"],
+        "errors": sum(a.error is not None for r in results for a in (r.bare, r.grafted)),
         "problems": [asdict(r) for r in results],
     }

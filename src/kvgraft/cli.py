@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -369,37 +370,171 @@ def rm(
 
 
 @command()
-def demo(
-    store: Annotated[
-        str | None, typer.Option("--store", "-s", help="Keep the demo's graft here (default: a temporary store).")
-    ] = None,
+def harvest(
+    dataset: Annotated[
+        str, typer.Option("--dataset", "-d", help="demo, aime2025, aime2024, amc2023, math500, or a JSONL path.")
+    ] = "demo",
+    solutions: Annotated[
+        bool, typer.Option("--solutions", help="Import the dataset's own worked solutions instead of solving.")
+    ] = False,
+    attempts: Annotated[int, typer.Option("--attempts", "-k", min=1, help="Sampled attempts per problem.")] = 4,
+    budget: Annotated[int, typer.Option("--budget", min=1, help="Max new tokens per attempt.")] = 160,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N problems.")] = None,
+    blocks: Annotated[
+        bool, typer.Option("--blocks/--no-blocks", help="Also pack verified solutions into context blocks.")
+    ] = True,
+    model: ModelOpt = None,
+    store: StoreOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Build a graft from a bundled text on random:gemma4, restore it, generate, and prove it exact."""
+    """Solve, verify, store: replay grafts of verified solutions (and context blocks), with their upstream cost."""
+    from kvgraft.datasets import load_dataset
+    from kvgraft.flywheel import harvest_summary
+    from kvgraft.harvest import build_blocks, import_solutions
+    from kvgraft.harvest import harvest as run_harvest
+
+    items = load_dataset(dataset)[:limit]
+    engine = _engine(model or "demo", store)
+    started = time.perf_counter()
+    with _progress("harvest", not as_json) as on_chunk:
+        on_item = (lambda done, total: on_chunk(done, total)) if on_chunk else None
+        if solutions:
+            records = import_solutions(engine, items, on_item)
+        else:
+            records = run_harvest(engine, items, attempts, budget, temperature, on_item=on_item)
+    block_ids = build_blocks(engine, records, items) if blocks else []
+    summary = harvest_summary(records, block_ids, time.perf_counter() - started)
+    summary["records"] = [r.to_json() for r in records]
+
+    def render() -> None:
+        out.print(
+            f"{summary['verified']}/{summary['problems']} problems verified and stored as replay grafts"
+            + (f" ({summary['errors']} could not be tried: see --json)" if summary["errors"] else "")
+            + "; "
+            f"{len(block_ids)} context block(s); {summary['tokens_generated']} tokens generated in "
+            f"{summary['attempts']} attempts, {summary['wall_s']:.1f} s; store {engine.store.root}"  # type: ignore[attr-defined]
+        )
+
+    _emit(as_json, summary, render)
+
+
+@command()
+def bench(
+    dataset: Annotated[
+        str, typer.Option("--dataset", "-d", help="demo, aime2025, aime2024, amc2023, math500, or a JSONL path.")
+    ] = "demo",
+    library: Annotated[
+        str | None, typer.Option("--library", "-l", help="Store holding the library (default: --store).")
+    ] = None,
+    budget: Annotated[int, typer.Option("--budget", min=1, help="Max new tokens per answer.")] = 160,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N problems.")] = None,
+    min_match: Annotated[float, typer.Option(help="Gate: minimum retrieval score.")] = 0.9,
+    min_confidence: Annotated[float, typer.Option(help="Gate: minimum answer confidence.")] = 0.5,
+    out_dir: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("kvgraft-report"),
+    verify_receipts: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Rerun every grafted answer fresh.")
+    ] = True,
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The ladder: bare, grafted and gated accuracy with intervals, seen vs unseen, decode tokens, receipts."""
+    from kvgraft.bench import Gate, run_ladder, summarize
+    from kvgraft.datasets import load_dataset
+    from kvgraft.library import Library
+    from kvgraft.report import write_report
+
+    items = load_dataset(dataset)[:limit]
+    engine = _engine(model or "demo", library or store)
+    gate = Gate(min_match, min_confidence)
+    with _progress("bench", not as_json) as on_chunk:
+        results, facts = run_ladder(
+            engine, items, Library.from_store(engine.store), budget, gate, verify_receipts, on_chunk
+        )
+    summary = summarize(results, budget, facts, gate) | {"model": engine.model_name, "dataset": dataset}
+    write_report(summary, out_dir)
+    _emit(as_json, summary, lambda: _print_ladder(summary))
+
+
+def _print_ladder(summary: dict[str, Any]) -> None:
+    from kvgraft.report import ladder_table
+
+    table = Table(
+        "rung",
+        "split",
+        "correct",
+        "accuracy",
+        "95% CI",
+        "decode tokens",
+        title=f"{summary['model']} on {summary['dataset']}",
+    )
+    for row in ladder_table(summary):
+        table.add_row(*row)
+    out.print(table)
+    receipts = summary["receipts"]
+    out.print(f"receipts: {receipts['verified']}/{receipts['total']} verified; report: {summary['report']}")
+
+
+@command()
+def demo(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A smaller run (10 problems, under 2 minutes), as the tests run it.")
+    ] = False,
+    exactness: Annotated[
+        bool,
+        typer.Option(
+            "--exactness",
+            help="Only the exactness demo: one graft on random:gemma4, restored and proven equal to a fresh run.",
+        ),
+    ] = False,
+    store: Annotated[
+        str | None, typer.Option("--store", "-s", help="Keep the demo's grafts here (default: a temporary store).")
+    ] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("kvgraft-report"),
+    as_json: JsonOpt = False,
+) -> None:
+    """The flywheel on the demo model: harvest half the exam, then the ladder (bare, grafted, gated) on all of it."""
+    with tempfile.TemporaryDirectory(prefix="kvgraft-demo-") as tmp:
+        if exactness:
+            _exactness_demo(Path(store or tmp), store is None, as_json)
+            return
+        from kvgraft.flywheel import QUICK, FlywheelPlan, run_flywheel
+
+        engine = Engine.load("demo", store=store or tmp)
+        with _progress("demo", not as_json) as on_chunk:
+            on_progress = (lambda stage, done, total: on_chunk(done, total)) if on_chunk else None
+            summary = run_flywheel(engine, QUICK if quick else FlywheelPlan(), out_dir, on_progress)
+    _emit(as_json, summary, lambda: _print_ladder(summary))
+    receipts = summary["receipts"]
+    if receipts["verified"] != receipts["total"]:
+        raise typer.Exit(1)
+
+
+def _exactness_demo(store: Path, temporary: bool, as_json: bool) -> None:
     from kvgraft.demo import run_demo
 
-    with tempfile.TemporaryDirectory(prefix="kvgraft-demo-") as tmp:
-        with _progress("building graft", not as_json) as on_chunk:
-            report = run_demo(Path(store or tmp), on_chunk=on_chunk)
-        data = report.to_json()
+    with _progress("building graft", not as_json) as on_chunk:
+        report = run_demo(store, on_chunk=on_chunk)
+    data = report.to_json()
 
-        def render() -> None:
-            table = Table(title=f"kvgraft demo on {report.model}", show_header=True)
-            table.add_column("measure")
-            table.add_column("value", justify="right")
-            table.add_row("graft tokens (stored KV / all)", f"{report.aligned_tokens} / {report.graft_tokens}")
-            table.add_row("graft size on disk", f"{report.graft_bytes:,} bytes")
-            table.add_row("prompt tokens, new tokens", f"{report.prompt_tokens}, {report.new_tokens}")
-            table.add_row("time to first token, graft restored", f"{report.ttft_restored_s * 1000:.1f} ms")
-            table.add_row("time to first token, recomputed", f"{report.ttft_recomputed_s * 1000:.1f} ms")
-            table.add_row("graft KV + logits equal to fresh recompute", "yes" if report.graft_verified else "NO")
-            table.add_row("grafted run equal to fresh run (receipt)", "yes" if report.receipt_verified else "NO")
-            table.add_row("exact", "[green]yes[/]" if report.exact else "[red]NO[/]")
-            out.print(table)
-            if store is None:
-                out.print("[dim]The demo used a temporary store; pass --store DIR to keep the graft.[/]")
+    def render() -> None:
+        table = Table(title=f"kvgraft exactness demo on {report.model}", show_header=True)
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        table.add_row("graft tokens (stored KV / all)", f"{report.aligned_tokens} / {report.graft_tokens}")
+        table.add_row("graft size on disk", f"{report.graft_bytes:,} bytes")
+        table.add_row("prompt tokens, new tokens", f"{report.prompt_tokens}, {report.new_tokens}")
+        table.add_row("time to first token, graft restored", f"{report.ttft_restored_s * 1000:.1f} ms")
+        table.add_row("time to first token, recomputed", f"{report.ttft_recomputed_s * 1000:.1f} ms")
+        table.add_row("graft KV + logits equal to fresh recompute", "yes" if report.graft_verified else "NO")
+        table.add_row("grafted run equal to fresh run (receipt)", "yes" if report.receipt_verified else "NO")
+        table.add_row("exact", "[green]yes[/]" if report.exact else "[red]NO[/]")
+        out.print(table)
+        if temporary:
+            out.print("[dim]The demo used a temporary store; pass --store DIR to keep the graft.[/]")
 
-        _emit(as_json, data, render)
+    _emit(as_json, data, render)
     if not report.exact:
         raise typer.Exit(1)
 

@@ -22,17 +22,18 @@ class FlywheelPlan:
     harvest_count: int = 15
     """the first N problems are harvested (may become seen); the rest stay unseen by construction"""
     bench_count: int | None = None
-    attempts: int = 4
+    attempts: int = 8
     budget: int = 160
 
 
-QUICK = FlywheelPlan(harvest_count=6, bench_count=10, attempts=2)
+QUICK = FlywheelPlan(harvest_count=6, bench_count=10, attempts=4)
 
 
 def harvest_summary(records: list[HarvestRecord], blocks: list[str], wall_s: float) -> dict[str, Any]:
     return {
         "problems": len(records),
         "verified": sum(r.verified for r in records),
+        "errors": sum(r.error is not None for r in records),
         "replay_grafts": [r.graft_id for r in records if r.graft_id],
         "blocks": blocks,
         "attempts": sum(r.attempts for r in records),
@@ -64,6 +65,13 @@ def run_flywheel(
         "model": engine.model_name,
         "dataset": plan.dataset,
         "harvest": harvested,
+    }
+    summary["upstream"]["harvest_all"] = {
+        "problems_tried": harvested["problems"],
+        "verified": harvested["verified"],
+        "attempts": harvested["attempts"],
+        "tokens_generated": harvested["tokens_generated"],
+        "wall_s": harvested["wall_s"],
     }
     write_report(summary, report_dir)
     return summary

@@ -18,6 +18,7 @@ from typing import Any
 from kvgraft.answers import answers_match, extract_answer
 from kvgraft.datasets import Item
 from kvgraft.engine import Engine
+from kvgraft.errors import BadInputError
 from kvgraft.hashing import sha256_token_ids
 from kvgraft.models.loading import max_positions
 from kvgraft.problems import ANSWER_MARK, prompt_of
@@ -39,6 +40,8 @@ class HarvestRecord:
     graft_id: str | None
     solution: str | None
     source: str
+    error: str | None = None
+    """why the problem could not be tried or stored (e.g. longer than the model's positions)"""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,41 +79,41 @@ def harvest(
     seed: int = 0,
     on_item: ItemCallback | None = None,
 ) -> list[HarvestRecord]:
-    """Solve each item with up to `attempts` sampled tries of at most `budget` new tokens; store verified ones."""
+    """Solve each item with up to `attempts` sampled tries of at most `budget` new tokens; store verified ones.
+
+    A problem that cannot be tried (longer than the model's positions) is recorded with its error, not raised."""
     records = []
     for index, item in enumerate(items):
-        tokens, started, solution = 0, time.perf_counter(), None
-        tries = 0
-        for attempt in range(attempts):
-            tries = attempt + 1
-            params = SamplingParams(budget, temperature, 1.0, seed + 7919 * index + attempt, STOP)
-            result = engine.generate(prompt_of(item.problem), params=params)
-            tokens += len(result.output_tokens)
-            if answers_match(item.answer, extract_answer(result.text)):
-                solution = result.text
-                break
-        wall = time.perf_counter() - started
-        graft_id, build_s = None, 0.0
-        if solution is not None:
-            cost = {"attempts": tries, "tokens_generated": tokens, "wall_s": round(wall, 4)}
-            graft_id, build_s = _store_replay(engine, item, solution, cost, "model")
-        records.append(
-            HarvestRecord(
-                item.id,
-                item.text_sha256,
-                solution is not None,
-                tries,
-                tokens,
-                wall,
-                build_s,
-                graft_id,
-                solution,
-                "model",
+        started = time.perf_counter()
+        try:
+            records.append(_solve(engine, item, attempts, budget, temperature, seed + 7919 * index))
+        except BadInputError as exc:
+            wall = time.perf_counter() - started
+            records.append(
+                HarvestRecord(item.id, item.text_sha256, False, 0, 0, wall, 0.0, None, None, "model", str(exc))
             )
-        )
         if on_item is not None:
             on_item(index + 1, len(items))
     return records
+
+
+def _solve(engine: Engine, item: Item, attempts: int, budget: int, temperature: float, seed: int) -> HarvestRecord:
+    tokens, started, solution, tries = 0, time.perf_counter(), None, 0
+    for attempt in range(attempts):
+        tries = attempt + 1
+        params = SamplingParams(budget, temperature, 1.0, seed + attempt, STOP)
+        result = engine.generate(prompt_of(item.problem), params=params)
+        tokens += len(result.output_tokens)
+        if answers_match(item.answer, extract_answer(result.text)):
+            solution = result.text
+            break
+    wall = time.perf_counter() - started
+    graft_id, build_s = None, 0.0
+    if solution is not None:
+        cost = {"attempts": tries, "tokens_generated": tokens, "wall_s": round(wall, 4)}
+        graft_id, build_s = _store_replay(engine, item, solution, cost, "model")
+    verified = solution is not None
+    return HarvestRecord(item.id, item.text_sha256, verified, tries, tokens, wall, build_s, graft_id, solution, "model")
 
 
 def import_solutions(engine: Engine, items: list[Item], on_item: ItemCallback | None = None) -> list[HarvestRecord]:
@@ -119,13 +122,17 @@ def import_solutions(engine: Engine, items: list[Item], on_item: ItemCallback | 
     for index, item in enumerate(items):
         solution = item.solution
         verified = bool(solution) and answers_match(item.answer, _final_answer(solution or ""))
-        graft_id, build_s = None, 0.0
+        graft_id, build_s, error = None, 0.0, None
         if verified and solution:
-            graft_id, build_s = _store_replay(
-                engine, item, solution, {"attempts": 0, "tokens_generated": 0}, "imported"
-            )
+            try:
+                cost = {"attempts": 0, "tokens_generated": 0}
+                graft_id, build_s = _store_replay(engine, item, solution, cost, "imported")
+            except BadInputError as exc:
+                verified, error = False, str(exc)
         records.append(
-            HarvestRecord(item.id, item.text_sha256, verified, 0, 0, 0.0, build_s, graft_id, solution, "imported")
+            HarvestRecord(
+                item.id, item.text_sha256, verified, 0, 0, 0.0, build_s, graft_id, solution, "imported", error
+            )
         )
         if on_item is not None:
             on_item(index + 1, len(items))

@@ -104,7 +104,9 @@ def _markdown(results: dict[str, Any]) -> str:
         "Rungs: **bare** (the model alone); **grafted** (the problem's replay graft, found by prompt hash, which"
         " restores the verified reasoning and decodes only the answer; else the best retrieved context block, then"
         " the problem); **gated** (the grafted answer only when retrieval score and answer confidence pass the"
-        f" gate {results['gate']}, else bare). A problem is *seen* when its verified solution is in the library.",
+        f" gate: retrieval score >= {results['gate']['min_match']} and answer confidence >="
+        f" {results['gate']['min_confidence']}; else bare). A problem is *seen* when its verified solution is in"
+        " the library.",
         "",
         "| rung | split | correct | accuracy | 95% CI | decode tokens / problem |",
         "|---|---|---:|---:|---:|---:|",
@@ -122,11 +124,12 @@ def _markdown(results: dict[str, Any]) -> str:
         "## Upstream cost",
         "",
         f"The {up['grafts_used']} replay grafts used here cost {up['harvest_tokens']} generated tokens and "
-        f"{up['harvest_wall_s']:.1f} s of harvest (all attempts, failed ones included), used {up['uses_per_graft']}"
+        f"{up['harvest_wall_s']:.1f} s of harvest (every attempt on those problems, failed attempts"
+        f" included), used {up['uses_per_graft']}"
         f" time(s) each: {_num(up['amortized_tokens_per_use'])} tokens per use. On seen problems, grafted decode"
         f" tokens plus that upstream cost: {up['seen_grafted_tokens_including_upstream']}, against "
         f"{up['seen_bare_tokens']} for bare.",
-        "",
+        *_harvest_lines(up.get("harvest_all")),
         "## Reading a worked solution in context (diagnostic)",
         "",
         f"Each seen problem asked after the context block that holds its own verified solution (no replay): "
@@ -147,6 +150,18 @@ def _markdown(results: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _harvest_lines(harvest: dict[str, Any] | None) -> list[str]:
+    if not harvest:
+        return [""]
+    return [
+        "",
+        f"The whole harvest behind this library, failures included: {harvest['problems_tried']} problems tried,"
+        f" {harvest['verified']} verified, {harvest['attempts']} attempts, {harvest['tokens_generated']} generated"
+        f" tokens, {harvest['wall_s']:.1f} s (graft building included).",
+        "",
+    ]
 
 
 def _energy(energy: dict[str, Any]) -> str:
