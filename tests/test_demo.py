@@ -41,3 +41,25 @@ def test_demo_quick_runs_the_flywheel_and_every_receipt_verifies(tmp_path: Path)
     report = Path(data["report"])
     assert report.is_file() and (report.parent / "ladder.png").is_file() and (report.parent / "tokens.png").is_file()
     assert json.loads((report.parent / "results.json").read_text())["rungs"] == rungs
+
+
+def test_harvest_with_the_demo_model_stores_only_verified_solutions(tmp_path: Path) -> None:
+    from kvgraft.answers import extract_integer_answer
+    from kvgraft.datasets import load_dataset
+    from kvgraft.engine import Engine
+    from kvgraft.harvest import harvest
+
+    engine = Engine.load("demo", store=str(tmp_path / "store"))
+    items = load_dataset("demo")[:6]
+    records = harvest(engine, items, attempts=2, budget=160)
+    stored = set(engine.store.ids())
+    assert {r.graft_id for r in records if r.graft_id} == stored
+    for item, record in zip(items, records, strict=True):
+        assert (record.graft_id is not None) == record.verified
+        assert record.tokens_generated > 0 and 1 <= record.attempts <= 2
+        if record.verified:
+            assert extract_integer_answer(record.solution or "") == int(item.answer)
+            metadata = engine.store.manifest(record.graft_id or "").metadata
+            assert metadata["answer"] == item.answer and metadata["cost"]["attempts"] == record.attempts
+        else:
+            assert record.attempts == 2

@@ -375,8 +375,13 @@ def harvest(
         str, typer.Option("--dataset", "-d", help="demo, aime2025, aime2024, amc2023, math500, or a JSONL path.")
     ] = "demo",
     solutions: Annotated[
-        bool, typer.Option("--solutions", help="Import the dataset's own worked solutions instead of solving.")
-    ] = False,
+        str | None,
+        typer.Option(
+            "--solutions",
+            help="Import worked solutions instead of solving: a JSONL file with problem, answer and solution "
+            "fields, or a bundled set that has them (aime2024, math500). Each is checked against its answer first.",
+        ),
+    ] = None,
     attempts: Annotated[int, typer.Option("--attempts", "-k", min=1, help="Sampled attempts per problem.")] = 4,
     budget: Annotated[int, typer.Option("--budget", min=1, help="Max new tokens per attempt.")] = 160,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
@@ -394,12 +399,12 @@ def harvest(
     from kvgraft.harvest import build_blocks, import_solutions
     from kvgraft.harvest import harvest as run_harvest
 
-    items = load_dataset(dataset)[:limit]
+    items = load_dataset(solutions or dataset)[:limit]
     engine = _engine(model or "demo", store)
     started = time.perf_counter()
     with _progress("harvest", not as_json) as on_chunk:
         on_item = (lambda done, total: on_chunk(done, total)) if on_chunk else None
-        if solutions:
+        if solutions is not None:
             records = import_solutions(engine, items, on_item)
         else:
             records = run_harvest(engine, items, attempts, budget, temperature, on_item=on_item)

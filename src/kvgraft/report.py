@@ -19,7 +19,7 @@ def _pct(value: float | None) -> str:
 
 
 def ladder_table(results: dict[str, Any]) -> list[list[str]]:
-    """Rows of rung x split: accuracy [95% CI] (correct/n), decode tokens mean."""
+    """Rows of rung x split: correct/n, accuracy, 95% CI, decode tokens mean."""
     rows = []
     for rung in RUNGS:
         for split in SPLITS:
@@ -108,10 +108,13 @@ def _markdown(results: dict[str, Any]) -> str:
         f" {results['gate']['min_confidence']}; else bare). A problem is *seen* when its verified solution is in"
         " the library.",
         "",
-        "| rung | split | correct | accuracy | 95% CI | decode tokens / problem |",
-        "|---|---|---:|---:|---:|---:|",
+        "| rung | split | correct | accuracy | 95% CI | decode tokens / problem | TTFT mean | wall |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in ladder_table(results)]
+    for row in ladder_table(results):
+        cell = results["rungs"][row[0]][row[1]]
+        ttft = "n/a" if cell["ttft_s_mean"] is None else f"{1000 * cell['ttft_s_mean']:.0f} ms"
+        lines.append("| " + " | ".join([*row, ttft, f"{cell['wall_s']:.1f} s"]) + " |")
     ratios = results["bare_over_rung_decode_tokens"]
     up = results["upstream"]
     own = results["block_own_solution"]
