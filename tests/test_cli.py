@@ -677,3 +677,23 @@ def test_build_jsonl_with_one_bad_text_stores_nothing(store: Path, tmp_path: Pat
     jsonl.write_text(json.dumps(TEXT_48) + "\n" + json.dumps({"text": "   "}) + "\n")
     fails(cli("build", "--jsonl", jsonl, "--model", MODEL, "--store", store, "--json"), "text is empty")
     assert_store_unchanged(store, [])
+
+
+def test_harvest_solutions_then_bench_json(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    solutions = tmp_path / "solutions.jsonl"
+    rows = [
+        {"problem": "Ada has 5 pens. Gets 3. How many pens now?", "answer": "8", "solution": "5+3=8. Answer:8"},
+        {"problem": "Ben has 9 cups. Loses 4. How many cups now?", "answer": "5", "solution": "9-4=6. Answer:6"},
+    ]
+    solutions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    harvested = ok_json(cli("harvest", "--solutions", solutions, "--model", "demo", "--store", store, "--json"))
+    assert (harvested["problems"], harvested["verified"], len(harvested["replay_grafts"])) == (2, 1, 1)
+    assert [r["verified"] for r in harvested["records"]] == [True, False]
+    data = ok_json(
+        cli("bench", "--dataset", solutions, "--model", "demo", "--store", store, "--out", tmp_path / "r", "--json")
+    )
+    assert data["rungs"]["grafted"]["seen"]["n"] == 1 and data["rungs"]["grafted"]["unseen"]["n"] == 1
+    assert data["problems"][0]["grafted"]["path"] == "replay"
+    assert data["receipts"]["verified"] == data["receipts"]["total"] >= 1
+    assert Path(data["report"]).is_file()

@@ -418,7 +418,7 @@ def harvest(
             + (f" ({summary['errors']} could not be tried: see --json)" if summary["errors"] else "")
             + "; "
             f"{len(block_ids)} context block(s); {summary['tokens_generated']} tokens generated in "
-            f"{summary['attempts']} attempts, {summary['wall_s']:.1f} s; store {engine.store.root}"  # type: ignore[attr-defined]
+            f"{summary['attempts']} attempts, {summary['wall_s']:.1f} s; store {engine.store.location}"
         )
 
     _emit(as_json, summary, render)

@@ -20,6 +20,11 @@ class StoredGraft:
 
 
 class GraftStore(Protocol):
+    @property
+    def location(self) -> str:
+        """Where the store lives, for messages (a directory, a URL)."""
+        ...
+
     def put(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[Sha256Hex, bool]:
         """Store a graft atomically; returns (id, created). Storing the same content again creates nothing."""
         ...

@@ -45,6 +45,10 @@ class LocalStore:
         self.root = root
 
     @property
+    def location(self) -> str:
+        return str(self.root)
+
+    @property
     def _grafts(self) -> Path:
         return self.root / "grafts"
 
