@@ -462,6 +462,31 @@ def bench(
     _emit(as_json, summary, lambda: _print_ladder(summary))
 
 
+store_app = typer.Typer(help="The store as a whole.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+@store_app.command("stats")
+def store_stats_command(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Grafts, tokens, bytes on disk and the dedup ratio of the store (from its persistent index)."""
+    from kvgraft.store.index import store_stats
+
+    try:
+        stats = store_stats(open_store(store))
+    except KvgraftError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    data = stats.to_json()
+
+    def render() -> None:
+        table = Table("measure", "value")
+        for key, value in data.items():
+            table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else f"{value:,}")
+        out.print(table)
+
+    _emit(as_json, data, render)
+
+
 def _print_ladder(summary: dict[str, Any]) -> None:
     from kvgraft.report import ladder_table
 

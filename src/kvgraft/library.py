@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import bm25s
 
 from kvgraft.hashing import sha256_token_ids
-from kvgraft.store import GraftStore
+from kvgraft.store import GraftStore, LocalStore
+from kvgraft.store.index import IndexEntry, load_index
 
 _WORD = re.compile(r"\w+")
 # Numbers matter in these problems, so single characters count as tokens and no stop words are dropped.
@@ -50,15 +51,19 @@ class Library:
 
     @classmethod
     def from_store(cls, store: GraftStore) -> Library:
+        """The library of a store, from its persistent index (local stores) or its manifests (others)."""
+        if isinstance(store, LocalStore):
+            entries = list(load_index(store).values())
+        else:
+            entries = [IndexEntry.of(store.manifest(i), store.size_bytes(i)) for i in store.ids()]
         library = cls()
-        for graft_id in store.ids():
-            metadata = store.manifest(graft_id).metadata
-            if metadata.get("kind") == "replay":
-                library.replay_by_prompt[str(metadata["prompt_tokens_sha256"])] = graft_id
-                library.replay_problems[str(metadata["problem_sha256"])] = graft_id
-            elif metadata.get("kind") == "block":
-                for problem in metadata.get("problems", []):
-                    library.block_entries.append((graft_id, str(problem["id"]), str(problem["text"])))
+        for entry in entries:
+            if entry.kind == "replay" and entry.prompt_tokens_sha256 and entry.problems:
+                library.replay_by_prompt[entry.prompt_tokens_sha256] = entry.id
+                library.replay_problems[entry.problems[0]["problem_sha256"]] = entry.id
+            elif entry.kind == "block":
+                for problem in entry.problems:
+                    library.block_entries.append((entry.id, problem["id"], problem.get("text", "")))
         return library
 
     def find_replay(self, prompt_tokens: list[int]) -> str | None:
