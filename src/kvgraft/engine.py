@@ -25,6 +25,7 @@ from kvgraft.models.loading import load_model, max_positions
 from kvgraft.receipt import Receipt, SamplingParams
 from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
 from kvgraft.store import GraftStore, open_store
+from kvgraft.store.cache import CachedStore
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,13 @@ class Engine:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         store: str | GraftStore | None = None,
         allow_environment_mismatch: bool = False,
+        cache_bytes: int | None = None,
     ) -> Engine:
+        """`cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of the store."""
         model, tokenizer = load_model(spec, dtype=dtype, device=device)
         graft_store = store if store is not None and not isinstance(store, str) else open_store(store)
+        if cache_bytes is not None:
+            graft_store = CachedStore(graft_store, cache_bytes)
         return cls(model, tokenizer, spec, chunk_size, graft_store, allow_environment_mismatch)
 
     @cached_property
