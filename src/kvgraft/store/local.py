@@ -100,6 +100,10 @@ class LocalStore:
         prefix = id_or_prefix.strip().lower()
         if not _HEX.match(prefix):
             raise NotFoundError(f"{id_or_prefix!r} is not a graft id (hex digits expected)")
+        if len(prefix) == 64:  # a full id: one stat, not a listing of the whole store
+            if (self._grafts / prefix / MANIFEST_NAME).is_file():
+                return Sha256Hex(prefix)
+            raise NotFoundError(f"no graft {id_or_prefix} in store {self.root}")
         matches = [i for i in self.ids() if i.startswith(prefix)]
         if not matches:
             raise NotFoundError(f"no graft {id_or_prefix} in store {self.root}")

@@ -1,0 +1,207 @@
+"""Effective context: a library of grafts far larger than the model's window, served under a fixed memory budget.
+
+Usage: python benchmarks/effective_context.py [--scale 1.0] [--store DIR] [--queries 200] [--json]
+
+Builds (or reuses, in --store) a library of context blocks for the demo model (window 1,024 tokens): worked
+problems packed into blocks of about 1,000 tokens, 2,854,766 library tokens at --scale 1 (the published figure).
+Then, for the library at 1%, 10% and 100% of its grafts, a fresh process serves a stream of queries (problems
+held in the library): BM25 retrieval of the best block, restore with an LRU RAM tier bounded at --cache-mb, and
+time to first token. It reports library tokens vs the window, bytes on disk, peak resident memory per library
+size, retrieval and restore latency p50/p99, and time to first token with the block restored vs recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PUBLISHED_TOKENS = 2_854_766
+
+
+def build(store_dir: Path, target_tokens: int) -> None:
+    from kvgraft.engine import Engine
+    from kvgraft.problems import prompt_of, training_problems
+
+    engine = Engine.load("demo", store=str(store_dir))
+    have = sum(len(engine.store.manifest(i).tokens) for i in engine.store.ids())
+    seed = 500_000 + len(engine.store.ids())
+    while have < target_tokens:
+        seed += 1
+        entries, problems, size = [], [], 1
+        for problem in training_problems(seed, 40):
+            entry = prompt_of(problem.text) + problem.solution + "\n"
+            cost = len(entry.encode())
+            if size + cost > 1024 - 160:  # room for the query and its answer
+                break
+            entries.append(entry)
+            problems.append(
+                {"id": f"lib-{seed}-{len(problems)}", "problem_sha256": problem.text_sha256, "text": problem.text}
+            )
+            size += cost
+        put = engine.put("".join(entries), metadata={"kind": "block", "problems": problems})
+        have += put.tokens
+        if len(engine.store.ids()) % 200 == 0:
+            print(f"built {have:,} / {target_tokens:,} tokens", file=sys.stderr, flush=True)
+
+
+def serve(store_dir: Path, fraction: float, queries: int, cache_mb: int) -> dict[str, Any]:
+    """Runs in its own process, so that its peak resident memory is its own."""
+    from transformers import DynamicCache
+
+    from kvgraft.engine import Engine
+    from kvgraft.generate import decode
+    from kvgraft.library import Library
+    from kvgraft.problems import prompt_of
+    from kvgraft.receipt import SamplingParams
+    from kvgraft.store import LocalStore
+    from kvgraft.store.cache import CachedStore
+    from kvgraft.store.index import load_index
+
+    local = LocalStore(store_dir)
+    ids = sorted(load_index(local))
+    keep = set(ids[: max(1, round(len(ids) * fraction))])
+    library = Library.from_store(local)
+    library.block_entries = [e for e in library.block_entries if e[0] in keep]
+    engine = Engine.load("demo", store=CachedStore(local, cache_mb << 20))
+    rng = random.Random(0)
+    picks = [rng.choice(library.block_entries) for _ in range(queries)]
+    retrieval, restore, ttft_restore, ttft_recompute, hits = [], [], [], [], 0
+    params = SamplingParams(max_new_tokens=1)
+    for index, (graft_id, _, text) in enumerate(picks):
+        t0 = time.perf_counter()
+        best = library.search_blocks(text, k=1)[0]
+        retrieval.append(time.perf_counter() - t0)
+        hits += best.graft_id == graft_id
+        t0 = time.perf_counter()
+        engine.restore(best.graft_id)
+        restore.append(time.perf_counter() - t0)
+        result = engine.generate(prompt_of(text), graft_id=best.graft_id, params=params)
+        ttft_restore.append(result.timings["ttft_s"])
+        if index < 20:  # recomputing the whole block each time is the slow path: a sample suffices
+            started = time.perf_counter()
+            fresh = decode(
+                engine.model,
+                engine.tokenizer,
+                engine.schedule,
+                DynamicCache(config=engine.model.config),
+                result.receipt.input_tokens,
+                0,
+                params,
+                started,
+            )
+            ttft_recompute.append(fresh.ttft_s)
+    return {
+        "grafts": len(keep),
+        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "retrieval_s": retrieval,
+        "restore_s": restore,
+        "ttft_restore_s": ttft_restore,
+        "ttft_recompute_s": ttft_recompute,
+        "retrieval_hit_rate": hits / len(picks),
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--store", type=Path, default=None, help="Build into / reuse this store.")
+    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--cache-mb", type=int, default=16)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--serve", type=float, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve is not None:
+        print(json.dumps(serve(args.store, args.serve, args.queries, args.cache_mb)))
+        return
+    with tempfile.TemporaryDirectory(prefix="kvgraft-library-", dir=".") as tmp:
+        store_dir = args.store or Path(tmp)
+        target = round(PUBLISHED_TOKENS * args.scale)
+        started = time.perf_counter()
+        build(store_dir, target)
+        build_s = time.perf_counter() - started
+        runs = {}
+        for label, fraction in (("1%", 0.01), ("10%", 0.10), ("100%", 1.0)):
+            child = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--serve",
+                    str(fraction),
+                    "--store",
+                    str(store_dir),
+                    "--queries",
+                    str(args.queries),
+                    "--cache-mb",
+                    str(args.cache_mb),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            runs[label] = json.loads(child.stdout.strip().splitlines()[-1])
+        from kvgraft.store import LocalStore
+        from kvgraft.store.index import store_stats
+
+        stats = store_stats(LocalStore(store_dir))
+        full = runs["100%"]
+        result = {
+            "library_tokens": stats.tokens,
+            "grafts": stats.grafts,
+            "window": 1024,
+            "effective_ratio": stats.tokens / 1024,
+            "disk_bytes": stats.disk_bytes,
+            "build_s": build_s,
+            "cache_budget_bytes": args.cache_mb << 20,
+            "rss_peak_bytes": {label: run["rss_peak_bytes"] for label, run in runs.items()},
+            "rss_100_over_1": runs["100%"]["rss_peak_bytes"] / runs["1%"]["rss_peak_bytes"],
+            "retrieval_ms": {
+                "p50": 1000 * _pct(full["retrieval_s"], 0.5),
+                "p99": 1000 * _pct(full["retrieval_s"], 0.99),
+            },
+            "retrieval_hit_rate": full["retrieval_hit_rate"],
+            "restore_ms": {"p50": 1000 * _pct(full["restore_s"], 0.5), "p99": 1000 * _pct(full["restore_s"], 0.99)},
+            "ttft_restore_ms_p50": 1000 * statistics.median(full["ttft_restore_s"]),
+            "ttft_recompute_ms_p50": 1000 * statistics.median(full["ttft_recompute_s"]),
+            "ttft_restore_over_recompute": statistics.median(full["ttft_restore_s"])
+            / statistics.median(full["ttft_recompute_s"]),
+        }
+    if args.json:
+        print(json.dumps(result))
+        return
+    rss = result["rss_peak_bytes"]
+    print(
+        f"library {result['library_tokens']:,} tokens in {result['grafts']:,} grafts = "
+        f"{result['effective_ratio']:,.0f}x the 1,024-token window; {result['disk_bytes'] / 1e9:.2f} GB on disk; "
+        f"built in {build_s:.0f} s"
+    )
+    print(
+        f"peak RSS (LRU budget {args.cache_mb} MB): 1% {rss['1%'] / 2**20:.0f} MB, 10% {rss['10%'] / 2**20:.0f} MB, "
+        f"100% {rss['100%'] / 2**20:.0f} MB (100%/1% = {result['rss_100_over_1']:.3f})"
+    )
+    print(
+        f"retrieval p50 {result['retrieval_ms']['p50']:.2f} ms, p99 {result['retrieval_ms']['p99']:.2f} ms "
+        f"(own block first for {100 * result['retrieval_hit_rate']:.0f}% of queries); restore p50 "
+        f"{result['restore_ms']['p50']:.2f} ms, p99 {result['restore_ms']['p99']:.2f} ms"
+    )
+    print(
+        f"time to first token: restored {result['ttft_restore_ms_p50']:.1f} ms vs recomputed "
+        f"{result['ttft_recompute_ms_p50']:.1f} ms (ratio {result['ttft_restore_over_recompute']:.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The benchmark scripts at a small scale, so that they keep working (their figures are read from full runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(script: str, *args: str, cwd: Path) -> dict:  # type: ignore[type-arg]
+    env = os.environ | {"PYTHONPATH": str(BENCHMARKS)}
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args, "--json"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_effective_context_at_ci_scale(tmp_path: Path) -> None:
+    data = _run("effective_context.py", "--scale", "0.001", "--queries", "10", cwd=tmp_path)
+    for key in (
+        "library_tokens",
+        "window",
+        "effective_ratio",
+        "disk_bytes",
+        "rss_peak_bytes",
+        "retrieval_ms",
+        "restore_ms",
+        "ttft_restore_over_recompute",
+    ):
+        assert key in data
+    assert set(data["rss_peak_bytes"]) == {"1%", "10%", "100%"}
+    assert data["library_tokens"] >= 2_854 and data["effective_ratio"] == data["library_tokens"] / 1024
+    assert data["retrieval_hit_rate"] == 1.0
+    assert list(tmp_path.iterdir()) == []  # the temporary library is cleaned up
+
+
+def test_restore_vs_recompute_at_ci_scale(tmp_path: Path) -> None:
+    data = _run("restore_vs_recompute.py", "--sizes", "64", "--layers", "1", "--repeats", "1", cwd=tmp_path)
+    assert [row["tokens"] for row in data["rows"]] == [64]
+    assert data["rows"][0]["exact"] is True
