@@ -55,10 +55,8 @@ def build(store_dir: Path, target_tokens: int) -> None:
 
 def serve(store_dir: Path, fraction: float, queries: int, cache_mb: int) -> dict[str, Any]:
     """Runs in its own process, so that its peak resident memory is its own."""
-    from transformers import DynamicCache
 
     from kvgraft.engine import Engine
-    from kvgraft.generate import decode
     from kvgraft.library import Library
     from kvgraft.problems import prompt_of
     from kvgraft.receipt import SamplingParams
@@ -87,17 +85,7 @@ def serve(store_dir: Path, fraction: float, queries: int, cache_mb: int) -> dict
         result = engine.generate(prompt_of(text), graft_id=best.graft_id, params=params)
         ttft_restore.append(result.timings["ttft_s"])
         if index < 20:  # recomputing the whole block each time is the slow path: a sample suffices
-            started = time.perf_counter()
-            fresh = decode(
-                engine.model,
-                engine.tokenizer,
-                engine.schedule,
-                DynamicCache(config=engine.model.config),
-                result.receipt.input_tokens,
-                0,
-                params,
-                started,
-            )
+            fresh = engine.run_fresh(result.receipt.input_tokens, params)
             ttft_recompute.append(fresh.ttft_s)
     return {
         "grafts": len(keep),

@@ -24,10 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from kvgraft.engine import Engine
-from kvgraft.generate import decode
 from kvgraft.models.byte_tokenizer import build_byte_tokenizer
 from kvgraft.receipt import SamplingParams
 from kvgraft.store import LocalStore
@@ -72,17 +70,7 @@ def measure(engine: Engine, n: int, repeats: int) -> dict[str, float | int | boo
         results.append(result)
         warm.append(engine.generate(PROMPT, graft_id=put.id, params=ONE_TOKEN).timings["ttft_s"])
     input_ids = results[0].receipt.input_tokens
-    t0 = time.perf_counter()
-    fresh = decode(
-        engine.model,
-        engine.tokenizer,
-        engine.schedule,
-        DynamicCache(config=engine.model.config),
-        input_ids,
-        0,
-        ONE_TOKEN,
-        t0,
-    )
+    fresh = engine.run_fresh(input_ids, ONE_TOKEN)
     recompute = fresh.ttft_s
     loads, raws = [], []
     for _ in range(repeats):  # warm page cache: this compares the CPU work of one pass against two

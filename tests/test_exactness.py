@@ -11,7 +11,6 @@ import torch
 from transformers import DynamicCache
 
 from kvgraft.cache_state import capture
-from kvgraft.generate import decode
 from kvgraft.graft_format import entries_for
 from kvgraft.hashing import sha256_tensor
 from kvgraft.models.random_models import RANDOM_ARCHS
@@ -43,17 +42,7 @@ def test_grafted_generation_equals_fresh_run(make_engine: EngineFactory, arch: s
         assert put.aligned_tokens == (n // TEST_CHUNK) * TEST_CHUNK
         grafted = engine.generate(" and then", graft_id=put.id, params=params, keep_logits=True)
         # The fresh run: no graft, every input token from position 0 under the same schedule.
-        fresh = decode(
-            engine.model,
-            engine.tokenizer,
-            engine.schedule,
-            DynamicCache(config=engine.model.config),
-            grafted.receipt.input_tokens,
-            0,
-            params,
-            0.0,
-            keep_logits=True,
-        )
+        fresh = engine.run_fresh(grafted.receipt.input_tokens, params, keep_logits=True)
         assert fresh.output_tokens == grafted.output_tokens
         assert [sha256_tensor(x) for x in fresh.step_logits] == [
             sha256_tensor(x) for x in grafted.generation.step_logits

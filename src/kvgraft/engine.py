@@ -216,6 +216,32 @@ class Engine:
         next_logits = next_logits.reshape(-1) if next_logits is not None else None
         return RestoredGraft(stored.manifest, cache, next_logits, env_diff, t1 - t0, time.perf_counter() - t1)
 
+    def run_fresh(
+        self,
+        input_tokens: list[int],
+        params: SamplingParams,
+        keep_logits: bool = False,
+        on_chunk: ChunkCallback | None = None,
+    ) -> Generation:
+        """The fresh run: every input token computed from position 0 under the schedule, then decoding.
+
+        This is what a grafted run must equal; receipts are verified against it.
+        """
+        cache = DynamicCache(config=self.model.config)
+        started = time.perf_counter()
+        return decode(
+            self.model,
+            self.tokenizer,
+            self.schedule,
+            cache,
+            input_tokens,
+            0,
+            params,
+            started,
+            keep_logits=keep_logits,
+            on_chunk=on_chunk,
+        )
+
     def generate(
         self,
         prompt: str,

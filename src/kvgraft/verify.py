@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -12,7 +11,6 @@ from transformers import DynamicCache
 from kvgraft.cache_state import capture, restore
 from kvgraft.engine import Engine
 from kvgraft.fingerprint import check_fingerprint
-from kvgraft.generate import decode
 from kvgraft.graft_format import NEXT_LOGITS_NAME, entries_for, states_from
 from kvgraft.hashing import sha256_tensor
 from kvgraft.receipt import Receipt
@@ -100,19 +98,7 @@ def verify_graft(engine: Engine, graft_id: str, on_chunk: ChunkCallback | None =
 def verify_receipt(engine: Engine, receipt: Receipt, on_chunk: ChunkCallback | None = None) -> ReceiptVerification:
     """Rerun the receipt's generation fresh (no graft, all input tokens from position 0) and compare hashes."""
     env_diff = check_fingerprint(receipt.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
-    params = receipt.sampling
-    cache = DynamicCache(config=engine.model.config)
-    rerun = decode(
-        engine.model,
-        engine.tokenizer,
-        engine.schedule,
-        cache,
-        receipt.input_tokens,
-        0,
-        params,
-        time.perf_counter(),
-        on_chunk=on_chunk,
-    )
+    rerun = engine.run_fresh(receipt.input_tokens, receipt.sampling, on_chunk=on_chunk)
     first_divergence = next(
         (i for i, (a, b) in enumerate(zip(receipt.output_tokens, rerun.output_tokens, strict=False)) if a != b),
         None
