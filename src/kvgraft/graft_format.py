@@ -22,7 +22,7 @@ import torch
 from kvgraft.cache_state import LayerKind, LayerState
 from kvgraft.errors import FormatError, IntegrityError
 from kvgraft.fingerprint import Fingerprint
-from kvgraft.hashing import Sha256Hex, canonical_json, sha256_json, sha256_tensor
+from kvgraft.hashing import Sha256Hex, sha256_json, sha256_tensor
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -400,7 +400,3 @@ def states_from(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> list[La
         values = tensors[entry.value] if entry.value else None
         states.append(LayerState(entry.kind, keys, values, entry.cumulative_length))
     return states
-
-
-def canonical_manifest_bytes(manifest: Manifest) -> bytes:
-    return canonical_json(manifest.to_json())

@@ -108,10 +108,6 @@ def near_miss(story: Story, rng: random.Random) -> Story:
     return replace(story, events=tuple(events))
 
 
-def generate_problem(rng: random.Random, difficulty: int = 1, problem_id: str = "") -> Problem:
-    return render(draw_story(rng, difficulty), problem_id)
-
-
 def exam_stories(size: int = EXAM_SIZE, difficulty: int = 1) -> list[Story]:
     rng = random.Random(EXAM_SEED)
     stories: list[Story] = []

@@ -84,15 +84,3 @@ def forward_tokens(
 def decode_step(model: PreTrainedModel, cache: DynamicCache, token_id: int, position: int) -> torch.Tensor:
     """Feed one token at `position`; returns the next-token logits, shape [vocab]."""
     return forward_tokens(model, cache, [token_id], position, ChunkSchedule(1))
-
-
-def run_fresh(
-    model: PreTrainedModel,
-    token_ids: list[int],
-    schedule: ChunkSchedule,
-    on_chunk: ChunkCallback | None = None,
-) -> tuple[DynamicCache, torch.Tensor]:
-    """The fresh run over `token_ids` from position 0: returns the cache and the last logits [vocab]."""
-    cache = DynamicCache(config=model.config)
-    logits = forward_tokens(model, cache, token_ids, 0, schedule, on_chunk)
-    return cache, logits
