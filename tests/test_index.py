@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvgraft.cli import app
 from kvgraft.store import LocalStore
-from kvgraft.store.index import INDEX_NAME, load_index, store_stats
+from kvgraft.store.index import INDEX_NAME, INDEX_VERSION, load_index, store_stats
 
 from conftest import TEXT, EngineFactory
 
@@ -27,7 +27,7 @@ def test_index_is_rebuilt_after_it_is_deleted(make_engine: EngineFactory, store:
     assert load_index(store) == first
     (store.root / INDEX_NAME).write_text("{damaged")
     assert load_index(store) == first
-    assert json.loads((store.root / INDEX_NAME).read_text())["index_version"] == 1
+    assert json.loads((store.root / INDEX_NAME).read_text())["index_version"] == INDEX_VERSION
 
 
 def test_index_catches_up_after_a_crash_between_graft_write_and_index_update(

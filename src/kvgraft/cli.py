@@ -436,6 +436,13 @@ def bench(
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N problems.")] = None,
     min_match: Annotated[float, typer.Option(help="Gate: minimum retrieval score.")] = 0.9,
     min_confidence: Annotated[float, typer.Option(help="Gate: minimum answer confidence.")] = 0.5,
+    dense_model: Annotated[
+        str | None,
+        typer.Option(
+            "--dense-model",
+            help="Retrieve blocks with this local sentence-transformers model directory (default: BM25).",
+        ),
+    ] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("kvgraft-report"),
     verify_receipts: Annotated[
         bool, typer.Option("--verify/--no-verify", help="Rerun every grafted answer fresh.")
@@ -449,15 +456,21 @@ def bench(
     from kvgraft.datasets import load_dataset
     from kvgraft.library import Library
     from kvgraft.report import write_report
+    from kvgraft.retrieval import make_retriever
 
     items = load_dataset(dataset)[:limit]
+    retriever = make_retriever(dense_model)  # before the model: a bad path fails at once
     engine = _engine(model or "demo", library or store)
     gate = Gate(min_match, min_confidence)
     with _progress("bench", not as_json) as on_chunk:
         results, facts = run_ladder(
-            engine, items, Library.from_store(engine.store), budget, gate, verify_receipts, on_chunk
+            engine, items, Library.from_store(engine.store, retriever), budget, gate, verify_receipts, on_chunk
         )
-    summary = summarize(results, budget, facts, gate) | {"model": engine.model_name, "dataset": dataset}
+    summary = summarize(results, budget, facts, gate) | {
+        "model": engine.model_name,
+        "dataset": dataset,
+        "retriever": retriever.name,
+    }
     write_report(summary, out_dir)
     _emit(as_json, summary, lambda: _print_ladder(summary))
 

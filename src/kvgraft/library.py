@@ -1,24 +1,24 @@
-"""The graft library seen from a query: replay grafts found by prompt hash, context blocks found by BM25.
+"""The graft library seen from a query: replay grafts found by prompt hash, any other graft found by its texts.
 
-Grafts join the library through their metadata (written by harvest):
+Grafts join the library through their metadata (written by harvest, or given to `Engine.put`):
 - replay: {"kind": "replay", "problem_id", "problem_sha256", "prompt_tokens_sha256", "answer", "cost": {...}}
 - block:  {"kind": "block", "problems": [{"id", "problem_sha256", "text"}, ...]}
+- any graft: {"summary": ...} or {"title": ...}, what a graft that is not a block is found by.
+Texts are matched by a retriever (kvgraft.retrieval): BM25 by default, or a local sentence-transformers model.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
-import bm25s
+from pathlib import Path
 
 from kvgraft.hashing import sha256_token_ids
+from kvgraft.retrieval import Retriever, make_retriever
 from kvgraft.store import GraftStore, LocalStore
 from kvgraft.store.index import IndexEntry, load_index
 
 _WORD = re.compile(r"\w+")
-# Numbers matter in these problems, so single characters count as tokens and no stop words are dropped.
-_TOKEN_PATTERN = r"(?u)\b\w+\b"
 
 
 def words(text: str) -> set[str]:
@@ -34,10 +34,24 @@ def jaccard(a: str, b: str) -> float:
 @dataclass(frozen=True)
 class BlockHit:
     graft_id: str
-    bm25: float
+    score: float
+    """the retriever's score of the block's best-matching problem (BM25, or cosine similarity when dense)"""
     match: float
-    """Jaccard overlap between the query and the block's best-matching problem, in [0, 1]."""
+    """Jaccard overlap between the query and the block's best-matching problem, in [0, 1] (what the gate reads)"""
     problem_id: str
+
+
+@dataclass(frozen=True)
+class Hit:
+    graft_id: str
+    score: float
+    """the retriever's score of the graft's best-matching text"""
+    label: str
+    """which text matched: a block's problem id, or "summary" / "title" for any other graft"""
+
+
+Doc = tuple[str, str, str]
+"""(graft id, label, text)"""
 
 
 @dataclass
@@ -45,25 +59,34 @@ class Library:
     replay_by_prompt: dict[str, str] = field(default_factory=dict)
     replay_problems: dict[str, str] = field(default_factory=dict)
     """problem_sha256 -> replay graft id"""
-    block_entries: list[tuple[str, str, str]] = field(default_factory=list)
+    block_entries: list[Doc] = field(default_factory=list)
     """(graft id, problem id, problem text), one per problem held by a block"""
-    _index: bm25s.BM25 | None = None
+    other_entries: list[Doc] = field(default_factory=list)
+    """(graft id, "summary" or "title", text) for every other graft that has one"""
+    retriever: Retriever = field(default_factory=make_retriever)
+    """indexed lazily, at the first search: the entries are fixed from then on"""
+    _all: tuple[Retriever, list[Doc]] | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def from_store(cls, store: GraftStore) -> Library:
-        """The library of a store, from its persistent index (local stores) or its manifests (others)."""
+    def from_store(cls, store: GraftStore, retriever: Retriever | str | Path | None = None) -> Library:
+        """The library of a store, from its persistent index (local stores) or its manifests (others).
+
+        `retriever`: None or "bm25" for BM25, a local sentence-transformers model directory for the dense
+        retriever, or a Retriever.
+        """
         if isinstance(store, LocalStore):
             entries = list(load_index(store).values())
         else:
             entries = [IndexEntry.of(store.manifest(i), store.size_bytes(i)) for i in store.ids()]
-        library = cls()
+        if retriever is None or isinstance(retriever, str | Path):
+            retriever = make_retriever(None if retriever in (None, "bm25") else retriever)
+        library = cls(retriever=retriever)
         for entry in entries:
             if entry.kind == "replay" and entry.prompt_tokens_sha256 and entry.problems:
                 library.replay_by_prompt[entry.prompt_tokens_sha256] = entry.id
                 library.replay_problems[entry.problems[0]["problem_sha256"]] = entry.id
-            elif entry.kind == "block":
-                for problem in entry.problems:
-                    library.block_entries.append((entry.id, problem["id"], problem.get("text", "")))
+            texts = [(entry.id, label, text) for label, text in entry.retrieval_texts()]
+            (library.block_entries if entry.kind == "block" else library.other_entries).extend(texts)
         return library
 
     def find_replay(self, prompt_tokens: list[int]) -> str | None:
@@ -75,24 +98,48 @@ class Library:
         return problem_sha256 in self.replay_problems
 
     def search_blocks(self, query: str, k: int = 3) -> list[BlockHit]:
-        """The best k blocks for a query, each scored by its best-matching problem (BM25, then word overlap)."""
+        """The best k blocks for a query, each scored by its best-matching problem, highest score first."""
         if not self.block_entries:
             return []
-        if self._index is None:
-            self._index = bm25s.BM25()
-            corpus = bm25s.tokenize(
-                [text for _, _, text in self.block_entries],
-                stopwords=None,
-                token_pattern=_TOKEN_PATTERN,
-                show_progress=False,
-            )
-            self._index.index(corpus, show_progress=False)
-        query_tokens = bm25s.tokenize([query], stopwords=None, token_pattern=_TOKEN_PATTERN, show_progress=False)
-        n = min(len(self.block_entries), max(k * 8, 16))
-        docs, scores = self._index.retrieve(query_tokens, k=n, show_progress=False)
-        best: dict[str, BlockHit] = {}
-        for doc, score in zip(docs[0].tolist(), scores[0].tolist(), strict=True):
-            graft_id, problem_id, text = self.block_entries[doc]
-            if graft_id not in best:
-                best[graft_id] = BlockHit(graft_id, float(score), jaccard(query, text), problem_id)
-        return sorted(best.values(), key=lambda h: (-h.bm25, h.graft_id))[:k]
+        self._indexed()
+        return [
+            BlockHit(graft_id, score, jaccard(query, text), problem_id)
+            for (graft_id, problem_id, text), score in _best_per_graft(self.retriever, self.block_entries, query, k)
+        ]
+
+    def search(self, query: str, k: int = 3) -> list[Hit]:
+        """The best k grafts of any kind for a query (blocks by their problems, others by summary or title)."""
+        retriever, docs = self._indexed()
+        return [
+            Hit(graft_id, score, label) for (graft_id, label, _), score in _best_per_graft(retriever, docs, query, k)
+        ]
+
+    def _indexed(self) -> tuple[Retriever, list[Doc]]:
+        """Index the entries at first use: blocks in `retriever`, and all entries in a second index when there
+        are other grafts (so that block scores do not depend on them). Returns the index of all entries."""
+        if self._all is None:
+            self.retriever.index([(str(i), text) for i, (_, _, text) in enumerate(self.block_entries)])
+            if self.other_entries:
+                docs = self.block_entries + self.other_entries
+                everything = self.retriever.empty()
+                everything.index([(str(i), text) for i, (_, _, text) in enumerate(docs)])
+                self._all = (everything, docs)
+            else:
+                self._all = (self.retriever, self.block_entries)
+        return self._all
+
+
+def _best_per_graft(retriever: Retriever, docs: list[Doc], query: str, k: int) -> list[tuple[Doc, float]]:
+    """The best k grafts' best documents with their scores, highest first (ties by graft id): the retriever is
+    asked for more documents than k, and for more again while fewer than k grafts are among them."""
+    n = min(len(docs), max(k * 8, 16))
+    while True:
+        hits = retriever.search(query, n)
+        best: dict[str, tuple[Doc, float]] = {}
+        for key, score in hits:
+            doc = docs[int(key)]
+            if doc[0] not in best:
+                best[doc[0]] = (doc, score)
+        if len(best) >= k or len(hits) < n or n >= len(docs):
+            return sorted(best.values(), key=lambda h: (-h[1], h[0][0]))[:k]
+        n = min(len(docs), n * 4)

@@ -18,7 +18,9 @@ from kvgraft.graft_format import Manifest
 from kvgraft.store.local import LocalStore
 
 INDEX_NAME = "index.json"
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+SUMMARY_CHARS = 2000
+"""the most characters of a graft's metadata summary the index keeps for retrieval"""
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,16 @@ class IndexEntry:
     prompt_tokens_sha256: str | None = None
     problems: list[dict[str, str]] = field(default_factory=list)
     """{"id", "problem_sha256"[, "text"]} for each problem whose verified solution the graft holds"""
+    summary: str | None = None
+    """metadata["summary"] (its first SUMMARY_CHARS characters): what a graft that is not a block is found by"""
+
+    def retrieval_texts(self) -> list[tuple[str, str]]:
+        """(label, text) pairs a query is matched against: a block's problems, else the summary, else the title."""
+        if self.kind == "block":
+            return [(p["id"], p.get("text", "")) for p in self.problems]
+        if self.summary:
+            return [("summary", self.summary)]
+        return [("title", str(self.title))] if self.title else []
 
     @classmethod
     def of(cls, manifest: Manifest, size: int) -> IndexEntry:
@@ -42,6 +54,7 @@ class IndexEntry:
         ]
         if meta.get("kind") == "replay":
             problems = [{"id": str(meta["problem_id"]), "problem_sha256": str(meta["problem_sha256"])}]
+        summary = meta.get("summary")
         return cls(
             id=manifest.id,
             tokens=len(manifest.tokens),
@@ -52,6 +65,7 @@ class IndexEntry:
             title=meta.get("title"),
             prompt_tokens_sha256=meta.get("prompt_tokens_sha256"),
             problems=problems,
+            summary=str(summary)[:SUMMARY_CHARS] if summary else None,
         )
 
 
