@@ -7,7 +7,6 @@ Every test uses its own store under tmp_path and a tiny random model (byte token
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -17,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
+import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
-from kvgraft.graft_format import graft_id
+from kvgraft.graft_format import block_digest, block_file_bytes, graft_id
 from kvgraft.hashing import sha256_token_ids
 from kvgraft.receipt import receipt_id
 
@@ -43,6 +44,7 @@ MANIFEST_KEYS = {
     "fingerprint",
     "tensors_file",
     "layers",
+    "blocks",
     "next_token_logits",
     "provenance",
     "created_at",
@@ -111,6 +113,15 @@ def graft_dir(store: Path, gid: str) -> Path:
     return store / "grafts" / gid
 
 
+def block_files(store: Path) -> list[Path]:
+    return sorted((store / "blocks").glob("*/*.safetensors"))
+
+
+def block_path(store: Path, gid: str, index: int) -> Path:
+    key = json.loads((graft_dir(store, gid) / "manifest.json").read_text())["blocks"][index]["key"]
+    return store / "blocks" / key[:2] / f"{key}.safetensors"
+
+
 def tensor_ranges(path: Path) -> dict[str, tuple[int, int]]:
     """name -> (absolute start, end) of each tensor's bytes, from the safetensors header."""
     raw = path.read_bytes()
@@ -131,12 +142,15 @@ def store(tmp_path: Path) -> Path:
 
 def test_build_text_prints_exactly_id_tokens_aligned_bytes(store: Path) -> None:
     data = ok_json(cli("build", "--text", TEXT_40, "--model", MODEL, "--store", store, "-C", CHUNK, "--json"))
-    assert set(data) == {"id", "tokens", "aligned_tokens", "bytes"}
+    assert set(data) == {"id", "tokens", "aligned_tokens", "bytes", "blocks", "reused_blocks"}
     assert HEX64.match(data["id"])
     assert data["tokens"] == len(TEXT_40) + 1 == 40
     assert data["aligned_tokens"] == 32
+    assert (data["blocks"], data["reused_blocks"]) == (2, 0)
     directory = graft_dir(store, data["id"])
-    assert data["bytes"] == sum(p.stat().st_size for p in directory.iterdir())
+    blocks = block_files(store)
+    assert len(blocks) == 2
+    assert data["bytes"] == sum(p.stat().st_size for p in [*directory.iterdir(), *blocks])
     assert sorted(p.name for p in directory.iterdir()) == ["manifest.json", "tensors.safetensors"]
     assert graft_ids(store) == [data["id"]]
     assert tmp_leftovers(store) == []
@@ -145,7 +159,11 @@ def test_build_text_prints_exactly_id_tokens_aligned_bytes(store: Path) -> None:
 def test_build_is_idempotent(store: Path) -> None:
     first = ok_json(cli("build", "--text", TEXT_48, "--model", MODEL, "--store", store, "-C", CHUNK, "--json"))
     second = ok_json(cli("build", "--text", TEXT_48, "--model", MODEL, "--store", store, "-C", CHUNK, "--json"))
+    # The second build reads its first two blocks back instead of computing them; the third chunk is computed
+    # again because its forward gives the stored next-token logits. Same content, same id, nothing new on disk.
+    assert (first.pop("reused_blocks"), second.pop("reused_blocks")) == (0, 2)
     assert first == second
+    assert len(block_files(store)) == 3
     listing = ok_json(cli("ls", "--store", store, "--json"))
     assert [g["id"] for g in listing["grafts"]] == [first["id"]]
     assert tmp_leftovers(store) == []
@@ -158,7 +176,7 @@ def test_build_jsonl_prints_a_list_in_file_order(store: Path, tmp_path: Path) ->
     )
     data = ok_json(cli("build", "--jsonl", jsonl, "--model", MODEL, "--store", store, "-C", CHUNK, "--json"))
     assert isinstance(data, list) and len(data) == 2
-    assert all(set(row) == {"id", "tokens", "aligned_tokens", "bytes"} for row in data)
+    assert all(set(row) == {"id", "tokens", "aligned_tokens", "bytes", "blocks", "reused_blocks"} for row in data)
     assert [row["tokens"] for row in data] == [40, 48]
     assert [row["aligned_tokens"] for row in data] == [32, 48]
     assert graft_ids(store) == sorted(row["id"] for row in data)
@@ -208,7 +226,7 @@ def test_inspect_json_is_the_manifest_plus_an_absolute_tensors_path(
     on_disk = json.loads((graft_dir(store, gid) / "manifest.json").read_text())
     assert {k: v for k, v in data.items() if k != "tensors_path"} == on_disk
     assert data["id"] == gid
-    assert data["format_version"] == 1
+    assert data["format_version"] == 2
     assert data["tokens"][0] != data["tokens"][1] and len(data["tokens"]) == 48
     assert (data["aligned_tokens"], data["chunk_size"], data["dtype"]) == (48, CHUNK, "float32")
     assert data["provenance"]["model_name"] == MODEL
@@ -303,16 +321,16 @@ def test_verify_graft_is_exact(store: Path, text: str) -> None:
 
 
 def test_verify_catches_a_forged_but_self_consistent_graft(store: Path) -> None:
-    """A tensor changed with its hash and the graft id rewritten to match: loading succeeds, recompute does not."""
+    """A block changed with its digest and the graft id rewritten to match: loading succeeds, recompute does not."""
     gid = build(store, TEXT_48)
     directory = graft_dir(store, gid)
-    tensors = directory / "tensors.safetensors"
-    start, end = tensor_ranges(tensors)["layers.0.key"]
-    raw = bytearray(tensors.read_bytes())
-    raw[start] ^= 0x01
-    tensors.write_bytes(raw)
+    block = block_path(store, gid, 0)
+    tensors = safetensors.torch.load_file(block)
+    tensors["layers.000.key"].view(torch.uint8).reshape(-1)[0] ^= 0x01
+    digest = block_digest(tensors)
+    block.write_bytes(block_file_bytes(tensors, digest))
     manifest = json.loads((directory / "manifest.json").read_text())
-    manifest["layers"][0]["key_sha256"] = hashlib.sha256(raw[start:end]).hexdigest()
+    manifest["blocks"][0]["sha256"] = digest
     manifest["id"] = forged = graft_id(manifest)
     (directory / "manifest.json").write_text(json.dumps(manifest))
     directory.rename(directory.parent / forged)
@@ -322,8 +340,8 @@ def test_verify_catches_a_forged_but_self_consistent_graft(store: Path) -> None:
     assert result.exit_code == 1
     data = json.loads(result.stdout)
     assert (data["exact"], data["kv_equal"], data["logits_equal"]) == (False, False, True)
-    assert data["mismatched"] == ["layer 0 key"]
-    assert result.stderr.strip() == "not exact: differs in KV tensors (layer 0 key)"
+    assert data["mismatched"] == ["block 0 layers.000.key"]
+    assert result.stderr.strip() == "not exact: differs in KV tensors (block 0 layers.000.key)"
 
 
 def test_rm_then_ls_is_empty(store: Path) -> None:
@@ -354,25 +372,40 @@ def test_demo_json(tmp_path: Path) -> None:
 
 
 def test_each_corrupted_tensor_is_named(store: Path, tmp_path: Path) -> None:
+    """A flipped byte anywhere is caught: in any tensor of any block (the block and its file are named), and in
+    the next-token logits of the graft's own tensors file."""
     gid = build(store, TEXT_48)
-    tensors = graft_dir(store, gid) / "tensors.safetensors"
-    original = tensors.read_bytes()
-    ranges = tensor_ranges(tensors)
+    manifest = json.loads((graft_dir(store, gid) / "manifest.json").read_text())
     layers = 4  # random:llama
-    expected = {f"layers.{i}.{part}" for i in range(layers) for part in ("key", "value")} | {"next_token_logits"}
-    assert set(ranges) == expected
+    block_tensors = {f"layers.{i:03d}.{part}" for i in range(layers) for part in ("key", "value")}
+    targets: list[tuple[Path, str, str]] = [(graft_dir(store, gid) / "tensors.safetensors", "next_token_logits", "")]
+    for index, entry in enumerate(manifest["blocks"]):
+        path = block_path(store, gid, index)
+        assert set(tensor_ranges(path)) == block_tensors
+        targets += [(path, name, entry["key"][:12]) for name in sorted(block_tensors)]
+    assert set(tensor_ranges(targets[0][0])) == {"next_token_logits"}
     receipt = tmp_path / "receipt.json"
-    for name, (start, end) in sorted(ranges.items()):
+    for path, name, key in targets:
+        original = path.read_bytes()
+        start, end = tensor_ranges(path)[name]
         corrupted = bytearray(original)
         corrupted[(start + end) // 2] ^= 0xFF
-        tensors.write_bytes(corrupted)
-        fragments = (f"tensor {name} does not match its SHA-256", str(tensors))
-        fails(cli("verify", gid, "--store", store, "--json"), *fragments)
-        fails(cli("generate", "--graft", gid, "-n", 2, "--receipt", receipt, "--store", store, "--json"), *fragments)
+        path.write_bytes(corrupted)
+        message = f"block {key} does not match its SHA-256" if key else f"tensor {name} does not match its SHA-256"
+        fails(cli("verify", gid, "--store", store, "--json"), message, str(path))
+        fails(cli("generate", "--graft", gid, "-n", 2, "--receipt", receipt, "--store", store, "--json"), message)
         assert not receipt.exists()
         assert_store_unchanged(store, [gid])
-        tensors.write_bytes(original)
+        path.write_bytes(original)
     ok(cli("verify", gid, "--store", store))
+
+
+def test_missing_block(store: Path) -> None:
+    gid = build(store, TEXT_48)
+    path = block_path(store, gid, 1)
+    path.unlink()
+    fails(cli("verify", gid, "--store", store), f"block {path.stem[:12]} is missing", str(path))
+    fails(cli("generate", "--graft", gid, "-n", 2, "--store", store), f"block {path.stem[:12]} is missing")
 
 
 @pytest.mark.parametrize(
@@ -637,14 +670,14 @@ def test_bad_receipts(store: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["no-data-offsets", "entry-not-an-object"])
 def test_structurally_bad_tensors_header(store: Path, damage: str) -> None:
     gid = build(store, TEXT_48)
-    tensors = graft_dir(store, gid) / "tensors.safetensors"
+    tensors = block_path(store, gid, 0)
     raw = tensors.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + header_len])
     if damage == "no-data-offsets":
-        del header["layers.0.key"]["data_offsets"]
+        del header["layers.000.key"]["data_offsets"]
     else:
-        header["layers.0.key"] = "gone"
+        header["layers.000.key"] = "gone"
     # Valid JSON of the original length (trailing spaces), so only the structure is wrong.
     new_header = json.dumps(header, separators=(",", ":")).encode().ljust(header_len)
     assert len(new_header) == header_len

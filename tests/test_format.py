@@ -1,4 +1,4 @@
-"""Property tests of the manifest (graft format v1): round trip, the id rule, and what a reader refuses."""
+"""Property tests of the manifest (graft format v2): round trip, the id rule, and what a reader refuses."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvgraft.errors import FormatError, IntegrityError
 from kvgraft.fingerprint import Fingerprint
-from kvgraft.graft_format import LayerEntry, Manifest, graft_id, manifest_bytes, parse_manifest
+from kvgraft.graft_format import BlockRef, LayerEntry, Manifest, block_keys, graft_id, manifest_bytes, parse_manifest
 from kvgraft.hashing import Sha256Hex
 
 FAST = settings(max_examples=25, deadline=None)
@@ -32,22 +32,12 @@ json_values = st.recursive(
 
 
 @st.composite
-def layer_entries(draw: st.DrawFn, index: int, aligned: int) -> LayerEntry:
+def layer_entries(draw: st.DrawFn, aligned: int, chunk: int) -> LayerEntry:
     kind = draw(st.sampled_from(["full", "sliding", "shared"]))
     if kind == "shared" or aligned == 0:
-        return LayerEntry(kind, None, None, None, None, aligned)
-    shape = [1, draw(st.integers(1, 8)), draw(st.integers(1, aligned)), draw(st.integers(1, 256))]
-    value_shape = [*shape[:3], draw(st.integers(1, 256))]
-    return LayerEntry(
-        kind,
-        f"layers.{index}.key",
-        f"layers.{index}.value",
-        draw(sha256_hex),
-        draw(sha256_hex),
-        aligned,
-        shape,
-        value_shape,
-    )
+        return LayerEntry(kind)
+    shape = [1, draw(st.integers(1, 8)), chunk, draw(st.integers(1, 256))]
+    return LayerEntry(kind, shape, [*shape[:3], draw(st.integers(1, 256))])
 
 
 @st.composite
@@ -56,7 +46,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
     chunk = draw(st.integers(1, 32))
     aligned = len(tokens) // chunk * chunk
     n_layers = draw(st.integers(0, 6))
-    layers = [draw(layer_entries(i, aligned)) for i in range(n_layers)]
+    layers = [draw(layer_entries(aligned, chunk)) for _ in range(n_layers)]
     dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
     model = {key: draw(text) for key in MODEL_KEYS} | draw(st.dictionaries(text, text, max_size=2))
     fingerprint = Fingerprint(
@@ -64,6 +54,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
         schedule={"chunk_size": chunk},
         environment=draw(st.dictionaries(text, scalars, max_size=4)),
     )
+    blocks = [BlockRef(key, draw(sha256_hex)) for key in block_keys(fingerprint, tokens, chunk)]
     return Manifest(
         tokens=tokens,
         aligned_tokens=aligned,
@@ -71,6 +62,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
         dtype=dtype,
         fingerprint=fingerprint,
         layers=layers,
+        blocks=blocks,
         source_sha256=draw(sha256_hex),
         model_name=draw(text),
         kvgraft_version=draw(text),
@@ -146,7 +138,7 @@ def test_a_manifest_must_be_an_object(raw: bytes) -> None:
 
 
 @FAST
-@given(manifests(), st.sampled_from([2, 0, "1", None, 1.5]))
+@given(manifests(), st.sampled_from([1, 3, 0, "2", None, 1.5]))
 def test_unknown_format_version_is_refused(m: Manifest, version: object) -> None:
     with pytest.raises(FormatError, match="unknown format_version"):
         parse_manifest(_resigned(m, format_version=version), "test")
@@ -225,6 +217,38 @@ def test_missing_field_is_a_format_error(m: Manifest, field: str) -> None:
 @FAST
 @given(manifests(), json_values)
 def test_an_unknown_field_fails_the_id_check(m: Manifest, value: object) -> None:
-    """Version 1 has no extension fields: the id is recomputed from the known fields only."""
+    """Version 2 has no extension fields: the id is recomputed from the known fields only."""
     with pytest.raises(IntegrityError):
         parse_manifest(_resigned(m, extension=value), "test")
+
+
+@FAST
+@given(manifests().filter(lambda m: len(m.blocks) > 0), st.data())
+def test_block_keys_must_chain_over_the_tokens(m: Manifest, data: st.DataObject) -> None:
+    """A block key commits to its tokens, every token before them and the fingerprint: a manifest whose key for
+    some block is anything else (a block of another text, or of the same tokens in another place) is refused."""
+    index = data.draw(st.integers(0, len(m.blocks) - 1))
+    blocks = [b.to_json() for b in m.blocks]
+    blocks[index]["key"] = data.draw(sha256_hex.filter(lambda h: h != m.blocks[index].key))
+    with pytest.raises(FormatError, match="block keys do not chain"):
+        parse_manifest(_resigned(m, blocks=blocks), "test")
+
+
+@FAST
+@given(manifests().filter(lambda m: len(m.blocks) > 0))
+def test_one_block_per_chunk(m: Manifest) -> None:
+    blocks = [b.to_json() for b in m.blocks][:-1]
+    with pytest.raises(FormatError, match="one block per chunk"):
+        parse_manifest(_resigned(m, blocks=blocks), "test")
+
+
+def test_block_keys_are_chained_sha256_of_canonical_json() -> None:
+    fingerprint = Fingerprint(model={k: "x" for k in MODEL_KEYS}, schedule={"chunk_size": 2}, environment={})
+    fp = hashlib.sha256(json.dumps(fingerprint.to_json(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    first = hashlib.sha256(
+        json.dumps({"fingerprint": fp, "parent": None, "tokens": [5, 6]}, separators=(",", ":")).encode()
+    ).hexdigest()
+    second = hashlib.sha256(
+        json.dumps({"fingerprint": fp, "parent": first, "tokens": [7, 8]}, separators=(",", ":")).encode()
+    ).hexdigest()
+    assert block_keys(fingerprint, [5, 6, 7, 8, 9], 2) == [first, second]

@@ -4,11 +4,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvgraft.errors import FormatError, IntegrityError, NotFoundError, StoreError
+from kvgraft.graft_format import block_digest, block_file_bytes
 from kvgraft.store import LocalStore, default_store_path, open_store
+from kvgraft.store.index import store_stats
 
-from conftest import TEXT, EngineFactory
+from conftest import TEST_CHUNK, TEXT, EngineFactory
 
 
 def test_put_is_idempotent_and_leaves_no_staging(make_engine: EngineFactory, store: LocalStore) -> None:
@@ -23,13 +26,20 @@ def test_put_is_idempotent_and_leaves_no_staging(make_engine: EngineFactory, sto
 def test_get_returns_the_stored_tensors(make_engine: EngineFactory, store: LocalStore) -> None:
     engine = make_engine()
     built = engine.build(TEXT)
-    graft_id, _ = store.put(built.manifest, built.tensors)
+    assert len(built.blocks) == len(built.manifest.blocks) == built.manifest.aligned_tokens // TEST_CHUNK
+    graft_id, _ = store.put(built.manifest, built.tensors, built.blocks)
     stored = store.get(graft_id[:10])
     assert stored.manifest == built.manifest
-    assert sorted(stored.tensors) == sorted(built.tensors)
-    for name, tensor in built.tensors.items():
-        assert tensor.dtype == stored.tensors[name].dtype
-        assert tensor.numpy().tobytes() == stored.tensors[name].numpy().tobytes()
+    # Each layer's tensor is its blocks end to end, [1, kv_heads, aligned_tokens, head_dim].
+    for name in built.blocks[built.manifest.blocks[0].key]:
+        joined = torch.cat([built.blocks[ref.key][name] for ref in built.manifest.blocks], dim=-2)
+        assert stored.tensors[name].dtype == joined.dtype
+        assert stored.tensors[name].numpy().tobytes() == joined.numpy().tobytes()
+    assert sorted(p.name for p in (store.root / "grafts" / graft_id).iterdir()) == [
+        "manifest.json",
+        "tensors.safetensors",
+    ]
+    assert len(store.block_files()) == len(built.manifest.blocks)
 
 
 def test_resolve_by_prefix_unknown_and_ambiguous(make_engine: EngineFactory, store: LocalStore) -> None:
@@ -46,23 +56,37 @@ def test_resolve_by_prefix_unknown_and_ambiguous(make_engine: EngineFactory, sto
         store.resolve(shared)
 
 
-def test_flipped_byte_is_an_integrity_error(make_engine: EngineFactory, store: LocalStore) -> None:
+def _last_block(store: LocalStore, graft_id: str) -> Path:
+    return store.block_path(store.manifest(graft_id).blocks[-1].key)
+
+
+def test_flipped_byte_in_a_block_is_an_integrity_error(make_engine: EngineFactory, store: LocalStore) -> None:
     engine = make_engine()
     put = engine.put(TEXT)
-    path = Path(store.tensors_path(put.id))
+    path = _last_block(store, put.id)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match=r"tensor layers\.3\.value does not match its SHA-256"):
+    key = store.manifest(put.id).blocks[-1].key
+    with pytest.raises(IntegrityError, match=f"block {key[:12]} does not match its SHA-256"):
         store.get(put.id)
 
 
-def test_truncated_file_is_a_format_error(make_engine: EngineFactory, store: LocalStore) -> None:
+def test_truncated_block_is_a_format_error(make_engine: EngineFactory, store: LocalStore) -> None:
     engine = make_engine()
     put = engine.put(TEXT)
-    path = Path(store.tensors_path(put.id))
+    path = _last_block(store, put.id)
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(FormatError, match="truncated"):
+        store.get(put.id)
+
+
+def test_missing_block_is_a_format_error(make_engine: EngineFactory, store: LocalStore) -> None:
+    engine = make_engine()
+    put = engine.put(TEXT)
+    key = store.manifest(put.id).blocks[0].key
+    store.block_path(key).unlink()
+    with pytest.raises(FormatError, match=f"block {key[:12]} is missing"):
         store.get(put.id)
 
 
@@ -81,7 +105,7 @@ def test_store_path_that_is_a_file_is_refused(make_engine: EngineFactory, tmp_pa
     engine = make_engine()
     built = engine.build(TEXT)
     with pytest.raises(StoreError, match="is not a directory"):
-        LocalStore(blocker).put(built.manifest, built.tensors)
+        LocalStore(blocker).put(built.manifest, built.tensors, built.blocks)
 
 
 def test_default_store_path_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -104,7 +128,52 @@ def test_a_crash_before_the_rename_leaves_no_graft(
 
     monkeypatch.setattr(Path, "rename", crash)
     with pytest.raises(StoreError, match="simulated crash"):
-        store.put(built.manifest, built.tensors)
+        store.put(built.manifest, built.tensors, built.blocks)
     monkeypatch.undo()
     assert store.ids() == []
     assert list((store.root / "tmp").iterdir()) == []
+    # The blocks written before the crash are litter no graft names: gc removes them (none are young enough to
+    # be kept with a zero grace period), and a later put writes them again.
+    assert len(store.block_files()) == len(built.manifest.blocks)
+    assert store.gc(grace_s=3600) == (0, 0)
+    removed, freed = store.gc(grace_s=0)
+    assert removed == len(built.manifest.blocks) and freed > 0 and store.block_files() == []
+    assert store.put(built.manifest, built.tensors, built.blocks) == (built.manifest.id, True)
+
+
+PREAMBLE = "You are a careful solver. Show the work, then the answer. " * 4
+
+
+def test_shared_prefix_blocks_are_stored_once(make_engine: EngineFactory, store: LocalStore) -> None:
+    engine = make_engine()
+    first = engine.put(PREAMBLE + "Question one: what is two plus two?")
+    second = engine.put(PREAMBLE + "Question two: what is three times three?")
+    tokens = [engine.encode_context(PREAMBLE + q) for q in ("Question one", "Question two")]
+    common = next(i for i, (x, y) in enumerate(zip(*tokens, strict=False)) if x != y)
+    shared = common // TEST_CHUNK
+    assert (first.reused_blocks, second.reused_blocks) == (0, shared)
+    a, b = (store.manifest(p.id).blocks for p in (first, second))
+    assert [r.key for r in a[:shared]] == [r.key for r in b[:shared]]
+    assert a[shared].key != b[shared].key
+    assert len(store.block_files()) == len(a) + len(b) - shared
+    stats = store_stats(store)
+    assert stats.logical_bytes == first.bytes + second.bytes
+    assert stats.disk_bytes < stats.logical_bytes and stats.dedup_ratio > 1.0
+    # Deleting one graft keeps the blocks the other still names.
+    store.delete(first.id)
+    assert len(store.block_files()) == len(b)
+    assert store.get(second.id).manifest.id == second.id
+    store.delete(second.id)
+    assert store.block_files() == []
+
+
+def test_a_stored_block_with_other_bytes_is_refused(make_engine: EngineFactory, store: LocalStore) -> None:
+    engine = make_engine()
+    built = engine.build(TEXT)
+    ref = built.manifest.blocks[0]
+    other = {name: tensor + 1 for name, tensor in built.blocks[ref.key].items()}
+    # Write the forged block under the real key, as a nondeterministic environment would.
+    store.block_path(ref.key).parent.mkdir(parents=True)
+    store.block_path(ref.key).write_bytes(block_file_bytes(other, block_digest(other)))
+    with pytest.raises(IntegrityError, match=f"block {ref.key[:12]} is stored with other bytes"):
+        store.put(built.manifest, built.tensors, built.blocks)

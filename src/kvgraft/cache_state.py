@@ -9,8 +9,10 @@ Three layer kinds exist in transformers 5.x caches built with `DynamicCache(conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -74,16 +76,85 @@ def restore(states: list[LayerState], config: PretrainedConfig, device: torch.de
             raise FingerprintMismatchError(f"layer {index} is {kind} in the model but {state.kind} in the graft")
         if state.keys is None or state.values is None or not isinstance(layer, DynamicLayer):
             continue
-        expected = state.cumulative_length
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            expected = min(expected, layer.sliding_window - 1)
-        if state.keys.shape[-2] != expected or state.values.shape != state.keys.shape[:-1] + state.values.shape[-1:]:
+        keys, values = state.keys, state.values
+        if values.shape[:-1] != keys.shape[:-1] or keys.shape[-2] != state.cumulative_length:
             raise FingerprintMismatchError(
-                f"layer {index} stores {state.keys.shape[-2]} positions, the model keeps {expected} for this graft"
+                f"layer {index} stores {keys.shape[-2]} positions, the graft has {state.cumulative_length} tokens"
             )
-        keys, values = state.keys.to(device), state.values.to(device)
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            # Grafts store every position of sliding layers too (so that blocks can be shared); the model keeps
+            # the last window-1, which are the very tensors a fresh run would hold.
+            kept = min(state.cumulative_length, layer.sliding_window - 1)
+            keys, values = keys[:, :, keys.shape[-2] - kept :], values[:, :, values.shape[-2] - kept :]
+        keys, values = keys.contiguous().to(device), values.contiguous().to(device)
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.cumulative_length = state.cumulative_length
     return cache
+
+
+@dataclass
+class KvRecording:
+    """The KV each cache layer received during a recording, in order: chunks[layer] = [(keys, values), ...],
+    each [1, kv_heads, chunk, head_dim]. Shared layers receive nothing."""
+
+    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    _joined: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def layer_kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of positions [start, end) counted from the recording's first position (copies)."""
+        parts = self.chunks[layer]
+        if not parts:
+            return None
+        if layer not in self._joined:
+            self._joined[layer] = (torch.cat([k for k, _ in parts], dim=-2), torch.cat([v for _, v in parts], dim=-2))
+        keys, values = self._joined[layer]
+        return keys[:, :, start:end].clone(memory_format=torch.contiguous_format), values[:, :, start:end].clone(
+            memory_format=torch.contiguous_format
+        )
+
+
+@contextmanager
+def record_kv(cache: DynamicCache) -> Iterator[KvRecording]:
+    """Record every key/value tensor the model writes into `cache` while the context is open.
+
+    The model's computation is untouched: each layer's own `update` still runs; the recording only keeps a
+    reference to what it was given. This is how sliding layers' KV is captured at full length although the
+    cache itself keeps only the last window-1 positions.
+    """
+    recording = KvRecording([[] for _ in cache.layers])
+    originals: list[tuple[Any, Any]] = []
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicLayer):
+            continue
+        original = layer.update
+
+        def update(
+            key_states: torch.Tensor,
+            value_states: torch.Tensor,
+            *args: Any,
+            _original: Any = original,
+            _index: int = index,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            recording.chunks[_index].append((key_states, value_states))
+            return _original(key_states, value_states, *args, **kwargs)
+
+        layer.update = update  # type: ignore[method-assign]
+        originals.append((layer, original))
+    try:
+        yield recording
+    finally:
+        for layer, _ in originals:
+            del layer.update  # the instance attribute goes; the class method shows through again
+
+
+def append_kv(cache: DynamicCache, layers_kv: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    """Append per-layer KV ([1, kv_heads, n, head_dim]) after what `cache` holds, as if n more tokens were read.
+
+    Used only by approximate composition; sliding layers keep their last window-1 positions as usual.
+    """
+    for layer, kv in zip(cache.layers, layers_kv, strict=True):
+        if kv is not None and isinstance(layer, DynamicLayer):
+            layer.update(*kv)

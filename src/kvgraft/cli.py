@@ -500,6 +500,24 @@ def store_stats_command(store: StoreOpt = None, as_json: JsonOpt = False) -> Non
     _emit(as_json, data, render)
 
 
+@store_app.command("gc")
+def store_gc_command(
+    store: StoreOpt = None,
+    grace: Annotated[
+        float, typer.Option("--grace", help="Keep unreferenced blocks younger than this many seconds.")
+    ] = 3600.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove KV blocks that no graft names any more (left by an interrupted build)."""
+    try:
+        removed, freed = open_store(store).gc(grace)
+    except KvgraftError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    data = {"removed_blocks": removed, "freed_bytes": freed}
+    _emit(as_json, data, lambda: out.print(f"removed {removed:,} unreferenced blocks, {freed:,} bytes"))
+
+
 def _print_ladder(summary: dict[str, Any]) -> None:
     from kvgraft.report import ladder_table
 

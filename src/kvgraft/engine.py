@@ -15,12 +15,22 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft import __version__
-from kvgraft.cache_state import capture, restore
-from kvgraft.errors import BadInputError
+from kvgraft.cache_state import layer_kind, record_kv, restore
+from kvgraft.errors import BadInputError, FormatError
 from kvgraft.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
 from kvgraft.generate import Generation, TokenCallback, decode
-from kvgraft.graft_format import NEXT_LOGITS_NAME, Manifest, entries_for, states_from
-from kvgraft.hashing import sha256_bytes, sha256_tensor
+from kvgraft.graft_format import (
+    NEXT_LOGITS_NAME,
+    BlockRef,
+    Manifest,
+    assemble,
+    block_digest,
+    block_keys,
+    block_tensors,
+    layer_entries,
+    states_from,
+)
+from kvgraft.hashing import Sha256Hex, sha256_bytes, sha256_tensor
 from kvgraft.models.loading import load_model, max_positions
 from kvgraft.receipt import Receipt, SamplingParams
 from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
@@ -32,6 +42,10 @@ from kvgraft.store.cache import CachedStore
 class BuiltGraft:
     manifest: Manifest
     tensors: dict[str, torch.Tensor]
+    """The graft's own tensors (the next-token logits, when every token has KV)."""
+    blocks: dict[Sha256Hex, dict[str, torch.Tensor]]
+    """The blocks this build computed, by key; the others were already stored and were reused."""
+    reused_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,9 +55,18 @@ class PutResult:
     aligned_tokens: int
     bytes: int
     created: bool
+    blocks: int = 0
+    reused_blocks: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "tokens": self.tokens, "aligned_tokens": self.aligned_tokens, "bytes": self.bytes}
+        return {
+            "id": self.id,
+            "tokens": self.tokens,
+            "aligned_tokens": self.aligned_tokens,
+            "bytes": self.bytes,
+            "blocks": self.blocks,
+            "reused_blocks": self.reused_blocks,
+        }
 
 
 @dataclass
@@ -81,6 +104,10 @@ class GenerationResult:
             "timings": dict(self.timings),
             "receipt_id": self.receipt.id,
         }
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {name: list(tensor.shape) for name, tensor in tensors.items()}
 
 
 def _now() -> str:
@@ -159,47 +186,112 @@ class Engine:
         return tokens
 
     def build(
-        self, text: str, metadata: dict[str, Any] | None = None, on_chunk: ChunkCallback | None = None
+        self,
+        text: str,
+        metadata: dict[str, Any] | None = None,
+        on_chunk: ChunkCallback | None = None,
+        after: str | None = None,
     ) -> BuiltGraft:
-        """Compute a graft of `text`: KV of its C-aligned prefix under the schedule, plus all its token ids."""
-        tokens = self.check_text(text)
+        """Compute a graft of `text`: KV of its C-aligned prefix under the schedule, plus all its token ids.
+
+        `after` names a stored graft to continue: the new graft's tokens are that graft's tokens followed by
+        `text`, so the two form one exact chain and share the parent's blocks. Leading blocks already in the store
+        (a common preamble, a parent) are read and restored instead of computed, which is exact by construction.
+        """
+        meta = dict(metadata or {})
+        if after is None:
+            tokens = self.check_text(text)
+        else:
+            parent = self.store.manifest(after)
+            check_fingerprint(parent.fingerprint, self.fingerprint, self.allow_environment_mismatch)
+            if not text:
+                raise BadInputError("text is empty; a graft after another needs some text of its own")
+            tokens = list(parent.tokens) + self.encode_continuation(text)
+            self._check_length(len(tokens), "the parent graft plus text")
+            meta["after"] = parent.id
+        return self.build_tokens(tokens, sha256_bytes(text.encode()), meta, on_chunk)
+
+    def build_tokens(
+        self,
+        tokens: list[int],
+        source_sha256: Sha256Hex,
+        metadata: dict[str, Any],
+        on_chunk: ChunkCallback | None = None,
+    ) -> BuiltGraft:
+        chunk = self.schedule.chunk_size
         aligned = self.schedule.aligned_length(len(tokens))
-        cache = DynamicCache(config=self.model.config)
+        keys = block_keys(self.fingerprint, tokens, chunk)
+        keep_logits = 0 < aligned == len(tokens)
+        reuse = 0
+        while reuse < len(keys) and self.store.has_block(keys[reuse]):
+            reuse += 1
+        if keep_logits:
+            # The next-token logits come from the last chunk's forward: compute at least that one.
+            reuse = min(reuse, len(keys) - 1)
+        kinds = [layer_kind(layer) for layer in DynamicCache(config=self.model.config).layers]
+        refs: list[BlockRef] = []
+        reused: list[dict[str, torch.Tensor]] = []
+        for key in keys[:reuse]:
+            ref, block = self.store.read_block(key)
+            refs.append(ref)
+            reused.append(block)
+        if any(_shapes(block) != _shapes(reused[0]) for block in reused):
+            raise FormatError("stored blocks of this prefix hold different tensors; the store is inconsistent")
+        if reused:
+            layers = layer_entries(reused[0], kinds)
+            cache = restore(states_from(layers, assemble(reused), reuse * chunk), self.model.config, self.model.device)
+        else:
+            cache = DynamicCache(config=self.model.config)
+        with record_kv(cache) as recording:
+            if aligned > reuse * chunk:
+                logits = forward_tokens(
+                    self.model, cache, tokens[reuse * chunk : aligned], reuse * chunk, self.schedule, on_chunk
+                )
+        computed: dict[Sha256Hex, dict[str, torch.Tensor]] = {}
+        for offset, key in enumerate(keys[reuse:]):
+            block = block_tensors(recording, offset * chunk, (offset + 1) * chunk)
+            refs.append(BlockRef(key, block_digest(block)))
+            computed[key] = block
+        first = reused[0] if reused else next(iter(computed.values()), None)
+        tensors: dict[str, torch.Tensor] = {}
         next_logits_sha = None
-        if aligned:
-            logits = forward_tokens(self.model, cache, tokens[:aligned], 0, self.schedule, on_chunk)
-        entries, tensors = entries_for(capture(cache))
-        if aligned and aligned == len(tokens):
-            # Nothing is left to compute at use: keep the next-token logits the last chunk produced.
+        if keep_logits:
             tensors[NEXT_LOGITS_NAME] = logits.detach().contiguous().cpu()
             next_logits_sha = sha256_tensor(tensors[NEXT_LOGITS_NAME])
         manifest = Manifest(
             tokens=tokens,
             aligned_tokens=aligned,
-            chunk_size=self.schedule.chunk_size,
+            chunk_size=chunk,
             dtype=self.fingerprint.model["dtype"],
             fingerprint=self.fingerprint,
-            layers=entries,
-            source_sha256=sha256_bytes(text.encode()),
+            layers=layer_entries(first, kinds),
+            blocks=refs,
+            source_sha256=source_sha256,
             model_name=self.model_name,
             kvgraft_version=__version__,
             created_at=_now(),
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             next_logits_sha256=next_logits_sha,
         )
-        return BuiltGraft(manifest, tensors)
+        return BuiltGraft(manifest, tensors, computed, reuse)
 
     def put(
-        self, text: str, metadata: dict[str, Any] | None = None, on_chunk: ChunkCallback | None = None
+        self,
+        text: str,
+        metadata: dict[str, Any] | None = None,
+        on_chunk: ChunkCallback | None = None,
+        after: str | None = None,
     ) -> PutResult:
-        built = self.build(text, metadata, on_chunk)
-        graft_id, created = self.store.put(built.manifest, built.tensors)
+        built = self.build(text, metadata, on_chunk, after)
+        graft_id, created = self.store.put(built.manifest, built.tensors, built.blocks)
         return PutResult(
             graft_id,
             len(built.manifest.tokens),
             built.manifest.aligned_tokens,
             self.store.size_bytes(graft_id),
             created,
+            len(built.manifest.blocks),
+            built.reused_blocks,
         )
 
     # --- restore and generate -----------------------------------------------------------------------------
@@ -211,7 +303,9 @@ class Engine:
         env_diff = check_fingerprint(manifest.fingerprint, self.fingerprint, self.allow_environment_mismatch)
         stored = self.store.get(manifest.id)
         t1 = time.perf_counter()
-        cache = restore(states_from(stored.manifest, stored.tensors), self.model.config, self.model.device)
+        manifest = stored.manifest
+        states = states_from(manifest.layers, stored.tensors, manifest.aligned_tokens)
+        cache = restore(states, self.model.config, self.model.device)
         next_logits = stored.tensors.get(NEXT_LOGITS_NAME)
         next_logits = next_logits.reshape(-1) if next_logits is not None else None
         return RestoredGraft(stored.manifest, cache, next_logits, env_diff, t1 - t0, time.perf_counter() - t1)

@@ -1,33 +1,39 @@
-"""The on-disk graft format, version 1 (docs/FORMAT.md is the spec; keep the two in step).
+"""The on-disk graft format, version 2 (docs/FORMAT.md is the spec; keep the two in step).
 
-A graft is a directory holding `manifest.json` and one safetensors file. The manifest lists every token, how
-many of them have stored KV (`aligned_tokens`), the fingerprint, and per layer the tensor names and the SHA-256
-of each tensor's raw little-endian bytes. The graft id is the SHA-256 of the canonical manifest without `id`
-and `created_at`, so the same content always gets the same id.
+A graft is a manifest plus a chain of KV blocks. Block i holds, for every layer that has KV, the keys and values of
+positions [i*C, (i+1)*C); it is stored once per store under its chained key, SHA-256 over (the previous block's
+key, the fingerprint, the block's token ids), so grafts that begin with the same tokens share their leading blocks
+on disk. Sliding-window layers are stored at full length like the others: the model keeps only their last window-1
+positions, which restoring takes from the blocks. The manifest lists every token, the blocks with the SHA-256 of
+their tensor bytes, the fingerprint and per layer the block tensors' shapes. The graft id is the SHA-256 of the
+canonical manifest without `id` and `created_at`, so the same content always gets the same id.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import safetensors.torch
 import torch
 
-from kvgraft.cache_state import LayerKind, LayerState
+from kvgraft.cache_state import KvRecording, LayerKind, LayerState
 from kvgraft.errors import FormatError, IntegrityError
 from kvgraft.fingerprint import Fingerprint
-from kvgraft.hashing import Sha256Hex, sha256_json, sha256_tensor
+from kvgraft.hashing import Sha256Hex, sha256_json, tensor_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 NEXT_LOGITS_NAME = "next_token_logits"
 TENSORS_NAME = "tensors.safetensors"
+BLOCK_SUFFIX = ".safetensors"
+BLOCK_DIGEST_KEY = "sha256"
 _ID_EXCLUDED = ("id", "created_at")
 _READ_PIECE = 16 << 20
 _SAFETENSORS_DTYPES = {
@@ -37,32 +43,31 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
 }
 _TENSORS_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _KINDS: tuple[LayerKind, ...] = ("full", "sliding", "shared")
 
 
 @dataclass(frozen=True)
 class LayerEntry:
     kind: LayerKind
-    key: str | None
-    value: str | None
-    key_sha256: Sha256Hex | None
-    value_sha256: Sha256Hex | None
-    cumulative_length: int
     key_shape: list[int] | None = None
-    """[1, kv_heads, stored, head_dim]; None when the layer stores no tensor (so for value_shape)."""
+    """Shape of this layer's key tensor in every block, [1, kv_heads, C, head_dim]; None for shared layers and
+    when the graft has no block (so for value_shape)."""
     value_shape: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "key": self.key,
-            "value": self.value,
-            "key_sha256": self.key_sha256,
-            "value_sha256": self.value_sha256,
-            "key_shape": self.key_shape,
-            "value_shape": self.value_shape,
-            "cumulative_length": self.cumulative_length,
-        }
+        return {"kind": self.kind, "key_shape": self.key_shape, "value_shape": self.value_shape}
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    key: Sha256Hex
+    """Chained key: sha256_json({"parent": previous key or None, "fingerprint": fingerprint digest, "tokens": ...})"""
+    sha256: Sha256Hex
+    """SHA-256 of the block's tensor bytes, tensors taken in name order (the safetensors data section)."""
+
+    def to_json(self) -> dict[str, str]:
+        return {"key": self.key, "sha256": self.sha256}
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class Manifest:
     dtype: str
     fingerprint: Fingerprint
     layers: list[LayerEntry]
+    blocks: list[BlockRef]
     source_sha256: Sha256Hex
     model_name: str
     kvgraft_version: str
@@ -93,6 +99,7 @@ class Manifest:
             "fingerprint": self.fingerprint.to_json(),
             "tensors_file": self.tensors_file,
             "layers": [layer.to_json() for layer in self.layers],
+            "blocks": [block.to_json() for block in self.blocks],
             "next_token_logits": (
                 {"tensor": NEXT_LOGITS_NAME, "sha256": self.next_logits_sha256} if self.next_logits_sha256 else None
             ),
@@ -122,40 +129,74 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     return json.dumps(manifest.to_json(), indent=1, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
-def tensor_name(layer: int, part: str) -> str:
-    return f"layers.{layer}.{part}"
+# --- blocks --------------------------------------------------------------------------------------------------
 
 
-def entries_for(states: list[LayerState]) -> tuple[list[LayerEntry], dict[str, torch.Tensor]]:
-    """Layer entries (with hashes) and the named tensors to store for captured cache states.
+def fingerprint_digest(fingerprint: Fingerprint) -> Sha256Hex:
+    return sha256_json(fingerprint.to_json())
 
-    The tensors for layer i are named layers.i.key and layers.i.value, each [1, kv_heads, stored, head_dim].
+
+def block_keys(fingerprint: Fingerprint, tokens: list[int], chunk_size: int) -> list[Sha256Hex]:
+    """The chained keys of the blocks of `tokens` (one per whole chunk), as vLLM keys its prefix blocks.
+
+    A key commits to every token before and in its block and to the fingerprint (weights, schedule, numeric
+    environment), so equal keys mean equal KV bytes under kvgraft's exactness contract.
     """
-    entries: list[LayerEntry] = []
+    digest = fingerprint_digest(fingerprint)
+    keys: list[Sha256Hex] = []
+    parent: Sha256Hex | None = None
+    for start in range(0, len(tokens) // chunk_size * chunk_size, chunk_size):
+        parent = sha256_json({"parent": parent, "fingerprint": digest, "tokens": tokens[start : start + chunk_size]})
+        keys.append(parent)
+    return keys
+
+
+def block_tensor_name(layer: int, part: str) -> str:
+    """Zero-padded so that name order is layer order (and so the order of the safetensors data section)."""
+    return f"layers.{layer:03d}.{part}"
+
+
+def block_tensors(recording: KvRecording, start: int, end: int) -> dict[str, torch.Tensor]:
+    """The tensors of one block: positions [start, end) of a recording, per layer that has KV."""
     tensors: dict[str, torch.Tensor] = {}
-    for index, state in enumerate(states):
-        if state.keys is None or state.values is None:
-            entries.append(LayerEntry(state.kind, None, None, None, None, state.cumulative_length))
-            continue
-        key_name, value_name = tensor_name(index, "key"), tensor_name(index, "value")
-        tensors[key_name], tensors[value_name] = state.keys.contiguous().cpu(), state.values.contiguous().cpu()
-        entries.append(
-            LayerEntry(
-                state.kind,
-                key_name,
-                value_name,
-                sha256_tensor(tensors[key_name]),
-                sha256_tensor(tensors[value_name]),
-                state.cumulative_length,
-                list(state.keys.shape),
-                list(state.values.shape),
-            )
-        )
-    return entries, tensors
+    for layer in range(len(recording.chunks)):
+        kv = recording.layer_kv(layer, start, end)
+        if kv is not None:
+            tensors[block_tensor_name(layer, "key")] = kv[0].cpu()
+            tensors[block_tensor_name(layer, "value")] = kv[1].cpu()
+    return tensors
+
+
+def block_digest(tensors: dict[str, torch.Tensor]) -> Sha256Hex:
+    """SHA-256 of the tensors' raw bytes, concatenated in name order."""
+    hasher = hashlib.sha256()
+    for name in sorted(tensors):
+        hasher.update(tensor_bytes(tensors[name]))
+    return Sha256Hex(hasher.hexdigest())
+
+
+def layer_entries(tensors: dict[str, torch.Tensor] | None, kinds: list[LayerKind]) -> list[LayerEntry]:
+    """Per-layer entries from one block's tensors (or none, for a graft without blocks)."""
+    entries = []
+    for index, kind in enumerate(kinds):
+        key = tensors.get(block_tensor_name(index, "key")) if tensors else None
+        value = tensors.get(block_tensor_name(index, "value")) if tensors else None
+        if key is None or value is None:
+            entries.append(LayerEntry(kind))
+        else:
+            entries.append(LayerEntry(kind, list(key.shape), list(value.shape)))
+    return entries
 
 
 def tensors_file_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    return safetensors.torch.save(tensors, metadata={"format": "pt", "kvgraft_format_version": str(FORMAT_VERSION)})
+    # One metadata key only: safetensors writes several in an order that varies between processes.
+    return safetensors.torch.save(tensors, metadata={"format": "pt"})
+
+
+def block_file_bytes(tensors: dict[str, torch.Tensor], digest: Sha256Hex) -> bytes:
+    """A block file: its tensors, and their digest in the header so a block can be checked before any manifest
+    names it (when a new graft reuses it)."""
+    return safetensors.torch.save(tensors, metadata={BLOCK_DIGEST_KEY: digest})
 
 
 # --- reading -------------------------------------------------------------------------------------------------
@@ -171,9 +212,17 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest must be a JSON object")
     version = data.get("format_version")
     if version != FORMAT_VERSION:
+        advice = "rebuild the graft" if isinstance(version, int) and version < FORMAT_VERSION else "upgrade kvgraft"
         raise FormatError(
-            f"{where}: unknown format_version {version!r}; this kvgraft reads version {FORMAT_VERSION}, upgrade kvgraft"
+            f"{where}: unknown format_version {version!r}; this kvgraft reads version {FORMAT_VERSION}, {advice}"
         )
+    try:
+        content_hash = graft_id(data)
+    except (TypeError, ValueError):  # values canonical JSON cannot hold (NaN, say)
+        raise FormatError(f"{where}: manifest holds values canonical JSON cannot encode") from None
+    if data.get("id") != content_hash:
+        # Checked before the structure, so that a tampered manifest is reported as tampered.
+        raise IntegrityError(f"{where}: manifest id {data.get('id')!r} does not match its content hash {content_hash}")
     try:
         manifest = _manifest_from_json(data)
         computed = manifest.id
@@ -191,7 +240,10 @@ def _manifest_from_json(data: dict[str, Any]) -> Manifest:
     aligned, chunk_size = _int(data["aligned_tokens"], "aligned_tokens"), _int(data["chunk_size"], "chunk_size")
     if chunk_size < 1 or aligned != len(tokens) // chunk_size * chunk_size:
         raise ValueError("aligned_tokens must be the largest multiple of chunk_size not above the token count")
-    layers = [_layer_from_json(entry, aligned) for entry in data["layers"]]
+    layers = [_layer_from_json(entry, aligned, chunk_size) for entry in data["layers"]]
+    blocks = [_block_from_json(entry) for entry in data["blocks"]]
+    if len(blocks) != aligned // chunk_size:
+        raise ValueError("blocks must list one block per chunk of aligned_tokens")
     provenance = data["provenance"]
     manifest = Manifest(
         tokens=tokens,
@@ -200,6 +252,7 @@ def _manifest_from_json(data: dict[str, Any]) -> Manifest:
         dtype=str(data["dtype"]),
         fingerprint=Fingerprint.from_json(data["fingerprint"]),
         layers=layers,
+        blocks=blocks,
         source_sha256=Sha256Hex(str(provenance["source_sha256"])),
         model_name=str(provenance["model_name"]),
         kvgraft_version=str(provenance["kvgraft_version"]),
@@ -216,7 +269,17 @@ def _manifest_from_json(data: dict[str, Any]) -> Manifest:
         raise ValueError("chunk_size differs from fingerprint.schedule.chunk_size")
     if manifest.dtype != manifest.fingerprint.model["dtype"]:
         raise ValueError("dtype differs from fingerprint.model.dtype")
+    keys = block_keys(manifest.fingerprint, tokens, chunk_size)
+    if [b.key for b in blocks] != keys:
+        raise ValueError("block keys do not chain over the tokens and fingerprint")
     return manifest
+
+
+def _block_from_json(entry: dict[str, Any]) -> BlockRef:
+    key, digest = entry["key"], entry["sha256"]
+    if set(entry) != {"key", "sha256"} or not all(isinstance(h, str) and _HEX64.match(h) for h in (key, digest)):
+        raise ValueError('a block entry is {"key": <hex>, "sha256": <hex>}')
+    return BlockRef(Sha256Hex(key), Sha256Hex(digest))
 
 
 def _next_logits_sha(entry: Any) -> Sha256Hex | None:
@@ -233,29 +296,19 @@ def _int(value: Any, name: str) -> int:
     return value
 
 
-def _layer_from_json(entry: dict[str, Any], aligned: int) -> LayerEntry:
+def _layer_from_json(entry: dict[str, Any], aligned: int, chunk_size: int) -> LayerEntry:
     kind = entry["kind"]
     if kind not in _KINDS:
         raise ValueError(f"unknown layer kind {kind!r}")
-    layer = LayerEntry(
-        kind=kind,
-        key=entry["key"],
-        value=entry["value"],
-        key_sha256=entry["key_sha256"],
-        value_sha256=entry["value_sha256"],
-        cumulative_length=_int(entry["cumulative_length"], "cumulative_length"),
-        key_shape=_shape(entry["key_shape"]),
-        value_shape=_shape(entry["value_shape"]),
-    )
+    if set(entry) != {"kind", "key_shape", "value_shape"}:
+        raise ValueError("a layer entry has exactly kind, key_shape and value_shape")
+    layer = LayerEntry(kind=kind, key_shape=_shape(entry["key_shape"]), value_shape=_shape(entry["value_shape"]))
     stores = kind != "shared" and aligned > 0
-    fields = (layer.key, layer.value, layer.key_sha256, layer.value_sha256, layer.key_shape, layer.value_shape)
-    if not all((f is not None) == stores for f in fields):
-        raise ValueError(f"a {kind} layer entry must {'name' if stores else 'not name'} key and value tensors")
-    if layer.cumulative_length != aligned:
-        raise ValueError("cumulative_length must equal aligned_tokens")
+    if not all((shape is not None) == stores for shape in (layer.key_shape, layer.value_shape)):
+        raise ValueError(f"a {kind} layer entry must {'give' if stores else 'not give'} key and value shapes")
     for shape in (layer.key_shape, layer.value_shape):
-        if shape is not None and (len(shape) != 4 or shape[0] != 1 or not 0 < shape[2] <= aligned):
-            raise ValueError(f"shape {shape} is not [1, kv_heads, stored <= aligned_tokens, head_dim]")
+        if shape is not None and (len(shape) != 4 or shape[0] != 1 or shape[2] != chunk_size or min(shape) < 1):
+            raise ValueError(f"shape {shape} is not [1, kv_heads, chunk_size, head_dim]")
     if layer.key_shape is not None and layer.value_shape is not None and layer.key_shape[:3] != layer.value_shape[:3]:
         raise ValueError("key and value shapes differ in more than head_dim")
     return layer
@@ -273,21 +326,21 @@ class _TensorInfo:
     end: int
 
 
-def _read_header(handle: BinaryIO, file_size: int, where: str) -> tuple[int, dict[str, _TensorInfo]]:
-    """Parse a safetensors header (8-byte little-endian length, then JSON). Returns (data start, tensors)."""
-    head = handle.read(8)
-    if len(head) != 8:
+def _read_header(data: mmap.mmap, where: str) -> tuple[dict[str, _TensorInfo], dict[str, Any]]:
+    """Parse a safetensors header (8-byte little-endian length, then JSON) and check that it describes the file."""
+    file_size = len(data)
+    if file_size < 8:
         raise FormatError(f"{where}: tensors file is truncated (no header)")
-    (header_len,) = struct.unpack("<Q", head)
+    (header_len,) = struct.unpack("<Q", data[:8])
     if header_len > file_size - 8:
         raise FormatError(f"{where}: tensors file is truncated (header runs past the end)")
     try:
-        header = json.loads(handle.read(header_len))
+        header = json.loads(data[8 : 8 + header_len])
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise FormatError(f"{where}: tensors file header is not valid JSON") from None
     if not isinstance(header, dict):
         raise FormatError(f"{where}: tensors file header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
     data_start = 8 + header_len
     infos: dict[str, _TensorInfo] = {}
     for name, info in header.items():
@@ -300,7 +353,7 @@ def _read_header(handle: BinaryIO, file_size: int, where: str) -> tuple[int, dic
         raise FormatError(
             f"{where}: tensors file is {file_size} bytes, its header describes {data_end}: truncated or padded"
         )
-    return data_start, infos
+    return infos, metadata if isinstance(metadata, dict) else {}
 
 
 def _tensor_info(info: Any, data_start: int) -> _TensorInfo:
@@ -317,86 +370,109 @@ def _tensor_info(info: Any, data_start: int) -> _TensorInfo:
     return _TensorInfo(dtype, shape, data_start + start, data_start + end)
 
 
-def expected_hashes(manifest: Manifest) -> dict[str, Sha256Hex | None]:
-    """Every tensor a manifest names, with the SHA-256 recorded for it."""
-    expected: dict[str, Sha256Hex | None] = {}
-    for entry in manifest.layers:
-        if entry.key and entry.value:
-            expected[entry.key], expected[entry.value] = entry.key_sha256, entry.value_sha256
-    if manifest.next_logits_sha256:
-        expected[NEXT_LOGITS_NAME] = manifest.next_logits_sha256
-    return expected
+def _map_file(path: Path, where: str, what: str) -> mmap.mmap:
+    """Memory-map a file copy-on-write: pages come from the page cache as they are hashed, nothing is read twice."""
+    try:
+        with path.open("rb") as handle:
+            if path.stat().st_size < 8:
+                raise FormatError(f"{where}: {what} is truncated (no header)")
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError:
+        raise FormatError(f"{where}: {what} is missing") from None
 
 
-def expected_shapes(manifest: Manifest) -> dict[str, list[int]]:
+def _tensors_of(data: mmap.mmap, infos: dict[str, _TensorInfo], names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors viewing the mapped file (no copy)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name in names:
+        info = infos[name]
+        count = (info.end - info.start) // info.dtype.itemsize
+        if count == 0:
+            tensors[name] = torch.empty(info.shape, dtype=info.dtype)
+        else:
+            flat = torch.frombuffer(data, dtype=info.dtype, count=count, offset=info.start)
+            tensors[name] = flat.view(info.shape)
+    return tensors
+
+
+def expected_hashes(manifest: Manifest) -> dict[str, Sha256Hex]:
+    """The tensors the graft's own tensors file holds (the next-token logits, if any), with their SHA-256."""
+    return {NEXT_LOGITS_NAME: manifest.next_logits_sha256} if manifest.next_logits_sha256 else {}
+
+
+def expected_block_shapes(manifest: Manifest) -> dict[str, list[int]]:
+    """Every tensor a block of this graft holds, with its shape."""
     shapes: dict[str, list[int]] = {}
-    for entry in manifest.layers:
-        if entry.key and entry.key_shape is not None:
-            shapes[entry.key] = entry.key_shape
-        if entry.value and entry.value_shape is not None:
-            shapes[entry.value] = entry.value_shape
+    for index, entry in enumerate(manifest.layers):
+        if entry.key_shape is not None and entry.value_shape is not None:
+            shapes[block_tensor_name(index, "key")] = entry.key_shape
+            shapes[block_tensor_name(index, "value")] = entry.value_shape
     return shapes
 
 
 def read_tensors_checked(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Read every tensor the manifest names, hashing each while it is read (one pass over the bytes).
+    """The graft's own tensors (next-token logits), each hashed and checked against the manifest.
 
-    Raises IntegrityError on the first tensor whose SHA-256 differs from the manifest; no tensor is returned then.
+    Raises IntegrityError when a tensor's SHA-256 differs from the manifest; no tensor is returned then.
     """
     where = str(path)
     expected = expected_hashes(manifest)
-    try:
-        handle = path.open("rb")
-    except FileNotFoundError:
-        raise FormatError(f"{where}: tensors file is missing") from None
-    with handle:
-        file_size = path.stat().st_size
-        _, infos = _read_header(handle, file_size, where)
-        missing = sorted(set(expected) - set(infos))
-        if missing:
-            raise FormatError(f"{where}: tensors file lacks {', '.join(missing)}")
-        ordered = sorted((infos[name].start, name) for name in expected)
-        base = ordered[0][0] if ordered else 0
-        buffer = bytearray(max((infos[name].end for name in expected), default=base) - base)
-        view = memoryview(buffer)
-        shapes = expected_shapes(manifest)
-        for _, name in ordered:
-            info = infos[name]
-            if name in shapes and info.shape != shapes[name]:
-                raise FormatError(f"{where}: tensor {name} has shape {info.shape}, the manifest says {shapes[name]}")
-            hasher = hashlib.sha256()
-            position = info.start
-            handle.seek(position)
-            while position < info.end:
-                n = min(_READ_PIECE, info.end - position)
-                piece = view[position - base : position - base + n]
-                if handle.readinto(piece) != n:
-                    raise FormatError(f"{where}: tensors file is truncated")
-                hasher.update(piece)
-                position += n
-            if hasher.hexdigest() != expected[name]:
-                raise IntegrityError(
-                    f"{where}: tensor {name} does not match its SHA-256 in the manifest (corrupted file)"
-                )
-        tensors: dict[str, torch.Tensor] = {}
-        for name in expected:
-            info = infos[name]
-            count = 1
-            for dim in info.shape:
-                count *= dim
-            if count == 0:
-                tensors[name] = torch.empty(info.shape, dtype=info.dtype)
-            else:
-                tensors[name] = torch.frombuffer(buffer, dtype=info.dtype, count=count, offset=info.start - base).view(
-                    info.shape
-                )
+    data = _map_file(path, where, "tensors file")
+    infos, _ = _read_header(data, where)
+    missing = sorted(set(expected) - set(infos))
+    if missing:
+        raise FormatError(f"{where}: tensors file lacks {', '.join(missing)}")
+    view = memoryview(data)
+    for name, digest in expected.items():
+        if hashlib.sha256(view[infos[name].start : infos[name].end]).hexdigest() != digest:
+            raise IntegrityError(f"{where}: tensor {name} does not match its SHA-256 in the manifest (corrupted file)")
+    view.release()
+    return _tensors_of(data, infos, sorted(expected))
+
+
+def read_block_checked(
+    path: Path, key: Sha256Hex, block: BlockRef | None, shapes: dict[str, list[int]] | None
+) -> tuple[BlockRef, dict[str, torch.Tensor]]:
+    """One block's tensors, memory-mapped, after checking their names, shapes and the SHA-256 of their bytes.
+
+    `block` is the manifest's entry; None when no manifest names the block yet (a build reusing it): the bytes are
+    then checked against the digest the block file declares. `shapes` None accepts the file's own tensors.
+    Raises FormatError (missing, truncated, other tensors or shapes) or IntegrityError (bytes differ).
+    """
+    where = str(path)
+    data = _map_file(path, where, f"block {key[:12]}")
+    infos, metadata = _read_header(data, where)
+    if shapes is not None and set(infos) != set(shapes):
+        raise FormatError(f"{where}: block holds tensors {sorted(infos)}, the graft expects {sorted(shapes)}")
+    names = sorted(infos)
+    hasher = hashlib.sha256()
+    view = memoryview(data)
+    for name in names:
+        if shapes is not None and infos[name].shape != shapes[name]:
+            raise FormatError(f"{where}: tensor {name} has shape {infos[name].shape}, the manifest says {shapes[name]}")
+        hasher.update(view[infos[name].start : infos[name].end])
+    view.release()
+    expected = block.sha256 if block is not None else metadata.get(BLOCK_DIGEST_KEY)
+    if hasher.hexdigest() != expected:
+        raise IntegrityError(f"{where}: block {key[:12]} does not match its SHA-256 (corrupted file)")
+    return BlockRef(key, Sha256Hex(hasher.hexdigest())), _tensors_of(data, infos, names)
+
+
+def assemble(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-layer keys/values over all the blocks' positions, [1, kv_heads, blocks * C, head_dim], in order; named
+    `layers.<i>.key` / `layers.<i>.value` (the names of a block). The result owns its memory (no file mapping)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name in blocks[0] if blocks else {}:
+        parts = [block[name] for block in blocks]
+        tensors[name] = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0].clone()
     return tensors
 
 
-def states_from(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> list[LayerState]:
+def states_from(layers: list[LayerEntry], tensors: dict[str, torch.Tensor], length: int) -> list[LayerState]:
+    """Cache states from assembled tensors (see `assemble`) holding `length` positions."""
     states = []
-    for entry in manifest.layers:
-        keys = tensors[entry.key] if entry.key else None
-        values = tensors[entry.value] if entry.value else None
-        states.append(LayerState(entry.kind, keys, values, entry.cumulative_length))
+    for index, entry in enumerate(layers):
+        keys = tensors.get(block_tensor_name(index, "key")) if length else None
+        values = tensors.get(block_tensor_name(index, "value")) if length else None
+        states.append(LayerState(entry.kind, keys, values, length))
     return states

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvgraft.cache_state import capture, restore
+from kvgraft.cache_state import record_kv, restore
 from kvgraft.engine import Engine
 from kvgraft.fingerprint import check_fingerprint
-from kvgraft.graft_format import NEXT_LOGITS_NAME, entries_for, states_from
+from kvgraft.graft_format import NEXT_LOGITS_NAME, block_digest, block_tensors, states_from
 from kvgraft.hashing import sha256_tensor
 from kvgraft.receipt import Receipt
 from kvgraft.schedule import ChunkCallback, forward_tokens
@@ -67,19 +67,26 @@ def verify_graft(engine: Engine, graft_id: str, on_chunk: ChunkCallback | None =
     env_diff = check_fingerprint(manifest.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
     cache = DynamicCache(config=engine.model.config)
     aligned = manifest.aligned_tokens
+    chunk = manifest.chunk_size
     tail = manifest.tokens[aligned:]
-    if aligned:
-        fresh_logits = forward_tokens(engine.model, cache, manifest.tokens[:aligned], 0, engine.schedule, on_chunk)
-    fresh_entries, _ = entries_for(capture(cache))
-    mismatched = [
-        f"layer {i} {part}"
-        for i, (want, got) in enumerate(zip(manifest.layers, fresh_entries, strict=True))
-        for part, a, b in (("key", want.key_sha256, got.key_sha256), ("value", want.value_sha256, got.value_sha256))
-        if a != b
-    ]
+    with record_kv(cache) as recording:
+        if aligned:
+            fresh_logits = forward_tokens(engine.model, cache, manifest.tokens[:aligned], 0, engine.schedule, on_chunk)
+    mismatched: list[str] = []
+    for index, ref in enumerate(manifest.blocks):
+        fresh = block_tensors(recording, index * chunk, (index + 1) * chunk)
+        if block_digest(fresh) == ref.sha256:
+            continue
+        differing = [
+            f"block {index} {name}"
+            for name, tensor in sorted(fresh.items())
+            if sha256_tensor(tensor) != sha256_tensor(stored.tensors[name][:, :, index * chunk : (index + 1) * chunk])
+        ]
+        mismatched.extend(differing or [f"block {index}"])
     if tail:
         fresh_logits = forward_tokens(engine.model, cache, tail, aligned, engine.schedule)
-        grafted_cache = restore(states_from(manifest, stored.tensors), engine.model.config, engine.model.device)
+        states = states_from(manifest.layers, stored.tensors, aligned)
+        grafted_cache = restore(states, engine.model.config, engine.model.device)
         grafted_logits = forward_tokens(engine.model, grafted_cache, tail, aligned, engine.schedule)
     else:
         # Every token has stored KV: the graft carries the next-token logits of its last chunk.

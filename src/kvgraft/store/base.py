@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from kvgraft.graft_format import Manifest
+from kvgraft.graft_format import BlockRef, Manifest
 from kvgraft.hashing import Sha256Hex
 
 
@@ -25,8 +25,24 @@ class GraftStore(Protocol):
         """Where the store lives, for messages (a directory, a URL)."""
         ...
 
-    def put(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[Sha256Hex, bool]:
-        """Store a graft atomically; returns (id, created). Storing the same content again creates nothing."""
+    def put(
+        self,
+        manifest: Manifest,
+        tensors: dict[str, torch.Tensor],
+        blocks: dict[Sha256Hex, dict[str, torch.Tensor]] | None = None,
+    ) -> tuple[Sha256Hex, bool]:
+        """Store a graft atomically with those of its blocks (by key) the store lacks; returns (id, created).
+        Storing the same content again creates nothing."""
+        ...
+
+    def has_block(self, key: str) -> bool:
+        """Whether the block with this chained key is stored."""
+        ...
+
+    def read_block(
+        self, key: Sha256Hex, block: BlockRef | None = None, shapes: dict[str, list[int]] | None = None
+    ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
+        """One block's tensors, checked against `block` (or, when None, the digest the block declares)."""
         ...
 
     def resolve(self, id_or_prefix: str) -> Sha256Hex:

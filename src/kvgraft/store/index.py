@@ -120,7 +120,8 @@ class StoreStats:
 
     @property
     def dedup_ratio(self) -> float:
-        """Logical bytes over bytes on disk: 1.0 while every graft stores its own blocks."""
+        """Logical bytes over bytes on disk: 1.0 when no block is shared (more when prefixes are stored once; less
+        when the store holds blocks no graft names any more, which `kvgraft store gc` removes)."""
         return self.logical_bytes / self.disk_bytes if self.disk_bytes else 1.0
 
     def to_json(self) -> dict[str, Any]:
@@ -128,12 +129,13 @@ class StoreStats:
 
 
 def store_stats(store: LocalStore) -> StoreStats:
+    """Logical bytes are what the grafts would take each on its own (every block they name counted for each);
+    disk bytes count every graft directory and every block file once."""
     entries = load_index(store).values()
-    size = sum(e.bytes for e in entries)
     return StoreStats(
         grafts=len(entries),
         tokens=sum(e.tokens for e in entries),
         aligned_tokens=sum(e.aligned_tokens for e in entries),
-        disk_bytes=size,
-        logical_bytes=size,
+        disk_bytes=store.disk_bytes(),
+        logical_bytes=sum(e.bytes for e in entries),
     )

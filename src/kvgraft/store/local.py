@@ -1,26 +1,37 @@
 """A content-addressed store in a local directory.
 
-Layout: <root>/grafts/<id>/manifest.json and <root>/grafts/<id>/tensors.safetensors. A put writes both files
-into <root>/tmp/, fsyncs them, then renames the directory into place in one step, so a crash leaves either no
-graft or a whole one.
+Layout: <root>/grafts/<id>/manifest.json and <root>/grafts/<id>/tensors.safetensors (the graft's own small
+tensors), and <root>/blocks/<2 hex>/<block key>.safetensors, one file per KV block, shared by every graft whose
+tokens begin the same way. A put writes new blocks first (each to <root>/tmp/, fsynced, renamed into place), then
+the graft directory the same way, so a crash leaves either no graft or a whole one, at worst with unreferenced
+blocks that `gc` removes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from kvgraft.errors import NotFoundError, StoreError
+from kvgraft.errors import IntegrityError, KvgraftError, NotFoundError, StoreError
 from kvgraft.graft_format import (
+    BLOCK_SUFFIX,
     MANIFEST_NAME,
+    BlockRef,
     Manifest,
+    assemble,
+    block_file_bytes,
+    expected_block_shapes,
     manifest_bytes,
     parse_manifest,
+    read_block_checked,
     read_tensors_checked,
     tensors_file_bytes,
 )
@@ -30,6 +41,8 @@ from kvgraft.store.base import StoredGraft
 STORE_ENV = "KVGRAFT_STORE"
 DEFAULT_STORE_DIR = ".kvgraft"
 _HEX = re.compile(r"^[0-9a-f]{1,64}$")
+GC_GRACE_S = 3600.0
+"""Unreferenced blocks younger than this are kept by gc: a build may be about to name them."""
 
 
 def default_store_path() -> Path:
@@ -63,12 +76,40 @@ class LocalStore:
         if not os.access(self.root / "tmp", os.W_OK):
             raise StoreError(f"store at {self.root} is not writable")
 
-    def put(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[Sha256Hex, bool]:
+    @property
+    def _blocks(self) -> Path:
+        return self.root / "blocks"
+
+    def block_path(self, key: str) -> Path:
+        return self._blocks / key[:2] / f"{key}{BLOCK_SUFFIX}"
+
+    def has_block(self, key: str) -> bool:
+        return self.block_path(key).is_file()
+
+    def read_block(
+        self, key: Sha256Hex, block: BlockRef | None = None, shapes: dict[str, list[int]] | None = None
+    ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
+        """A block's tensors (memory-mapped), checked against `block` or, when None, the digest the file declares."""
+        return read_block_checked(self.block_path(key), key, block, shapes)
+
+    def put(
+        self,
+        manifest: Manifest,
+        tensors: dict[str, torch.Tensor],
+        blocks: dict[Sha256Hex, dict[str, torch.Tensor]] | None = None,
+    ) -> tuple[Sha256Hex, bool]:
+        """Store a graft: the blocks given (by key) that the store lacks, then the graft directory.
+
+        Every block the manifest lists must be given or already stored; a stored block must declare the same digest.
+        """
         graft_id = manifest.id
         final = self._grafts / graft_id
         if (final / MANIFEST_NAME).exists():
             return graft_id, False
         self._ensure_writable()
+        given = blocks or {}
+        for ref in manifest.blocks:
+            self._put_block(ref, given.get(ref.key))
         try:
             staging = Path(tempfile.mkdtemp(prefix=f"{graft_id[:12]}-", dir=self.root / "tmp"))
         except OSError as exc:
@@ -90,6 +131,31 @@ class LocalStore:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return graft_id, True
+
+    def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> None:
+        path = self.block_path(ref.key)
+        if path.is_file():
+            stored, _ = self.read_block(ref.key)
+            if stored.sha256 != ref.sha256:
+                raise IntegrityError(
+                    f"block {ref.key[:12]} is stored with other bytes ({stored.sha256[:12]}, this graft has "
+                    f"{ref.sha256[:12]}): the same tokens under the same fingerprint gave different KV"
+                )
+            os.utime(path)  # fresh again, so a concurrent gc keeps it until our manifest names it
+            return
+        if tensors is None:
+            raise StoreError(f"block {ref.key[:12]} is neither stored nor given; cannot store the graft")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix="block-", suffix=BLOCK_SUFFIX, dir=self.root / "tmp")
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(block_file_bytes(tensors, ref.sha256))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)  # a concurrent writer of the same block writes the same bytes
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise StoreError(f"cannot write block to {self.root}: {exc.strerror or exc}") from None
 
     def ids(self) -> list[Sha256Hex]:
         if not self._grafts.is_dir():
@@ -124,23 +190,70 @@ class LocalStore:
     def get(self, graft_id: str) -> StoredGraft:
         manifest = self.manifest(graft_id)
         tensors = read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
-        return StoredGraft(manifest, tensors)
+        shapes = expected_block_shapes(manifest)
+        blocks = [self.read_block(ref.key, ref, shapes)[1] for ref in manifest.blocks]
+        return StoredGraft(manifest, assemble(blocks) | tensors)
 
     def delete(self, graft_id: str) -> None:
+        """Remove a graft, then those of its blocks that no other graft names."""
         full = self.resolve(graft_id)
         self._ensure_writable()
+        try:
+            blocks = {ref.key for ref in self.manifest(full).blocks}
+        except KvgraftError:
+            blocks = set()  # a broken manifest names no block we can trust; `gc` clears what it left
         # Rename first so that no reader ever sees half a graft.
         doomed = Path(tempfile.mkdtemp(prefix="rm-", dir=self.root / "tmp"))
         (self._grafts / full).rename(doomed / full)
         shutil.rmtree(doomed, ignore_errors=True)
+        if blocks:
+            # If another graft is unreadable, what it names is unknown: then every block is kept.
+            with contextlib.suppress(KvgraftError):
+                self._remove_blocks(blocks - self.referenced_blocks(), grace_s=0.0)
+
+    def referenced_blocks(self) -> set[str]:
+        """Keys of every block some graft's manifest names (reads every manifest; an unreadable one raises, since
+        the blocks it names cannot be known)."""
+        return {ref.key for graft_id in self.ids() for ref in self.manifest(graft_id).blocks}
+
+    def block_files(self) -> list[Path]:
+        return sorted(self._blocks.glob(f"*/*{BLOCK_SUFFIX}")) if self._blocks.is_dir() else []
+
+    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
+        """Remove blocks no graft names and older than `grace_s`; returns (blocks removed, bytes freed)."""
+        referenced = self.referenced_blocks()
+        unreferenced = {p.name.removesuffix(BLOCK_SUFFIX) for p in self.block_files()} - referenced
+        return self._remove_blocks(unreferenced, grace_s)
+
+    def _remove_blocks(self, keys: Iterable[str], grace_s: float) -> tuple[int, int]:
+        removed = freed = 0
+        now = time.time()
+        for key in keys:
+            path = self.block_path(key)
+            try:
+                stat = path.stat()
+                if now - stat.st_mtime < grace_s:
+                    continue
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed, freed = removed + 1, freed + stat.st_size
+        return removed, freed
 
     def tensors_path(self, graft_id: str) -> str:
         manifest = self.manifest(graft_id)
         return str((self._grafts / manifest.id / manifest.tensors_file).resolve())
 
     def size_bytes(self, graft_id: str) -> int:
+        """Bytes the graft takes on its own: its directory plus every block it names (shared or not)."""
         full = self.resolve(graft_id)
-        return sum(p.stat().st_size for p in (self._grafts / full).iterdir())
+        own = sum(p.stat().st_size for p in (self._grafts / full).iterdir())
+        return own + sum(self.block_path(ref.key).stat().st_size for ref in self.manifest(full).blocks)
+
+    def disk_bytes(self) -> int:
+        """Bytes on disk: every graft directory and every block file, each block counted once."""
+        grafts = sum(p.stat().st_size for d in self._grafts.glob("*") if d.is_dir() for p in d.iterdir())
+        return grafts + sum(p.stat().st_size for p in self.block_files())
 
 
 def _write_synced(path: Path, data: bytes) -> None:
