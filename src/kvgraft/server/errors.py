@@ -1,0 +1,162 @@
+"""OpenAI-style error bodies, and the one place kvgraft's errors become HTTP statuses.
+
+Every error a client sees is `{"error": {"message", "type", "param", "code"}}`; nothing a request sends can turn
+into a traceback in a reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvgraft.errors import (
+    BadInputError,
+    EnvironmentMismatchError,
+    FingerprintMismatchError,
+    FormatError,
+    IntegrityError,
+    KvgraftError,
+    NotFoundError,
+    StoreError,
+)
+
+log = logging.getLogger("uvicorn.error")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error reply: status, OpenAI-style body and optional headers."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+INTERNAL = ApiError(500, "internal server error; the request was not completed", code="internal_error")
+
+
+def from_kvgraft(exc: KvgraftError, param: str | None = None) -> ApiError:
+    """The status of each kind of kvgraft error: the caller's mistakes are 4xx, a damaged store is 500."""
+    message = str(exc)
+    if isinstance(exc, BadInputError):
+        return ApiError(400, message, param=param, code="bad_input")
+    if isinstance(exc, NotFoundError):
+        return ApiError(404, message, param=param, code="not_found")
+    if isinstance(exc, FingerprintMismatchError):
+        return ApiError(400, message, param=param, code="fingerprint_mismatch")
+    if isinstance(exc, EnvironmentMismatchError):
+        return ApiError(400, message, param=param, code="environment_mismatch")
+    if isinstance(exc, FormatError | IntegrityError):
+        # The stored graft is damaged: the server's problem, but the message is one safe line worth showing.
+        return ApiError(500, message, param=param, code="graft_damaged")
+    if isinstance(exc, StoreError):
+        return ApiError(500, message, code="store_error")
+    return ApiError(500, message, code="kvgraft_error")
+
+
+def validation_error(exc: ValidationError, data: Any) -> ApiError:
+    """The first pydantic error as one line naming the field, e.g. `max_tokens: Input should be a valid integer`."""
+    errors = exc.errors(include_url=False)
+    # A value that fails a union (`str | list[str]`) fails every branch; a branch that matched the value's type
+    # but not a constraint ("at most 4 items") says more than "Input should be a valid string".
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    param = _param_of(first.get("loc", ()), data)
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"unsupported field '{param}'", param=param, code="unsupported_field")
+    message = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing":
+        message = "field required"
+    return ApiError(400, f"{param}: {message}" if param else message, param=param or None, code="invalid_value")
+
+
+def _param_of(loc: tuple[Any, ...], data: Any) -> str:
+    """Dotted path of the offending field, walked through the request data so that pydantic's union tags
+    ('str', 'list[str]') never show up as field names."""
+    parts: list[str] = []
+    current = data
+    for item in loc:
+        if isinstance(current, dict) and isinstance(item, str):
+            parts.append(item)
+            current = current.get(item)
+        elif isinstance(current, list) and isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]" if parts else f"[{item}]"]
+            current = current[item] if 0 <= item < len(current) else None
+        else:
+            break
+    return ".".join(parts)
+
+
+def install_handlers(app: FastAPI, redact: Callable[[str], str] = str) -> None:
+    """`redact` cleans kvgraft's messages (they may name the store's directory) before a client sees them."""
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def kvgraft_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, KvgraftError)
+        error = from_kvgraft(exc)
+        error.message = redact(error.message)
+        return error.response()
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        message = {404: "no such endpoint", 405: "method not allowed on this endpoint"}.get(
+            exc.status_code, str(exc.detail)
+        )
+        headers = dict(exc.headers) if exc.headers else None
+        return ApiError(exc.status_code, message, code="http_error", headers=headers).response()
+
+    async def request_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else "invalid request"
+        return ApiError(400, message, param=param, code="invalid_value").response()
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(KvgraftError, kvgraft_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, request_validation)

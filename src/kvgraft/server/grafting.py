@@ -1,0 +1,163 @@
+"""Which graft a request runs on: the one it names, the library's best graft for its prompt, or none.
+
+Runs on the model worker (it reads the store and the retrieval index, which the worker also writes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgraft.engine import Engine
+from kvgraft.errors import KvgraftError
+from kvgraft.fingerprint import check_fingerprint
+from kvgraft.graft_format import Manifest
+from kvgraft.library import Library, jaccard
+from kvgraft.models.loading import max_positions
+from kvgraft.retrieval import Retriever, make_retriever
+from kvgraft.store import GraftStore
+from kvgraft.store.cache import CachedStore
+
+
+@dataclass(frozen=True)
+class GraftChoice:
+    """How a request wants grafting done (the `kvgraft` field of its body)."""
+
+    grafts: tuple[str, ...] = ()
+    retrieve: bool = True
+    min_score: float = 0.0
+    min_match: float = 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    graft_id: str
+    score: float
+    """The retriever's score of the graft's best-matching text (BM25 unless the server runs a dense retriever)."""
+    match: float
+    """Word overlap (Jaccard) between the query and that text, in [0, 1]."""
+    label: str
+    """Which text matched: a block's entry id, or "summary" / "title"."""
+    used: bool
+    skipped: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "graft_id": self.graft_id,
+            "score": self.score,
+            "match": self.match,
+            "label": self.label,
+            "used": self.used,
+            "skipped": self.skipped,
+        }
+
+
+@dataclass(frozen=True)
+class GraftPlan:
+    graft_id: str | None
+    source: str | None
+    """"request" (named by the request), "retrieval" (the library's best graft), or None (a bare run)."""
+    manifest: Manifest | None
+    retrieval: list[Candidate] = field(default_factory=list)
+    searched: bool = False
+    """Whether the library was searched (so a bare run after a search is a retrieval miss)."""
+
+
+@dataclass(frozen=True)
+class LibrarySnapshot:
+    library: Library
+    texts: dict[tuple[str, str], str]
+    """(graft id, label) -> the text retrieval matched, to report word overlap"""
+
+
+class LibraryView:
+    """The store's retrieval library, rebuilt after the server's own writes and at most `refresh_s` stale about
+    other processes' writes (rebuilding relists the store and re-indexes every text, so not per request)."""
+
+    def __init__(
+        self,
+        store: GraftStore,
+        refresh_s: float,
+        retriever: Retriever | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store.inner if isinstance(store, CachedStore) else store
+        self._refresh_s = refresh_s
+        self._retriever = retriever if retriever is not None else make_retriever()
+        self._clock = clock
+        self._snapshot: LibrarySnapshot | None = None
+        self._built_at = 0.0
+        self._lock = threading.Lock()
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._snapshot = None
+
+    def get(self) -> LibrarySnapshot:
+        with self._lock:
+            now = self._clock()
+            if self._snapshot is None or now - self._built_at > self._refresh_s:
+                # `empty()` shares a dense retriever's loaded model instead of loading it again.
+                library = Library.from_store(self._store, self._retriever.empty())
+                texts = {(g, label): text for g, label, text in library.block_entries + library.other_entries}
+                self._snapshot = LibrarySnapshot(library, texts)
+                self._built_at = now
+            return self._snapshot
+
+
+def plan_grafts(
+    engine: Engine,
+    library: Callable[[], LibrarySnapshot],
+    choice: GraftChoice,
+    query: str,
+    prompt: str,
+    max_new_tokens: int,
+    candidates: int,
+) -> GraftPlan:
+    """Resolve the named graft (NotFoundError if unknown), else retrieve, else bare.
+
+    A retrieved graft is used only when its score is positive and reaches `min_score`, its word overlap reaches
+    `min_match`, it was built by this model under this schedule (and environment, unless mismatches are
+    allowed), and it leaves room for the prompt and the new tokens; every candidate is reported, with the reason
+    it was skipped.
+    """
+    if choice.grafts:
+        named = engine.store.manifest(choice.grafts[0])
+        return GraftPlan(named.id, "request", named)
+    if not choice.retrieve or not query.strip():
+        return GraftPlan(None, None, None)
+    snapshot = library()
+    hits = snapshot.library.search(query, k=candidates)
+    limit = max_positions(engine.model)
+    needed = len(engine.encode_continuation(prompt)) + max_new_tokens
+    chosen: Manifest | None = None
+    report: list[Candidate] = []
+    for hit in hits:
+        match = jaccard(query, snapshot.texts.get((hit.graft_id, hit.label), ""))
+        reason: str | None = None
+        manifest: Manifest | None = None
+        if chosen is not None:
+            reason = "a better graft was used"
+        elif hit.score <= 0 or hit.score < choice.min_score:
+            reason = f"score below min_score {choice.min_score}" if hit.score > 0 else "score is not positive"
+        elif match < choice.min_match:
+            reason = f"match below min_match {choice.min_match}"
+        else:
+            try:
+                manifest = engine.store.manifest(hit.graft_id)
+                check_fingerprint(manifest.fingerprint, engine.fingerprint, engine.allow_environment_mismatch)
+            except KvgraftError as exc:
+                reason = f"not usable by this model: {type(exc).__name__}"
+            else:
+                if limit is not None and len(manifest.tokens) + needed > limit:
+                    reason = "graft, prompt and max_tokens exceed the model's positions"
+        used = reason is None and manifest is not None
+        if used:
+            chosen = manifest
+        report.append(Candidate(hit.graft_id, hit.score, match, hit.label, used, reason))
+    if chosen is None:
+        return GraftPlan(None, None, None, report, searched=True)
+    return GraftPlan(chosen.id, "retrieval", chosen, report, searched=True)
