@@ -600,5 +600,65 @@ def _exactness_demo(store: Path, temporary: bool, as_json: bool) -> None:
         raise typer.Exit(1)
 
 
+@command()
+def serve(
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="KVGRAFT_API_KEY",
+            show_envvar=True,
+            help="Bearer token that library writes need (without one, writes are refused).",
+        ),
+    ] = None,
+    protect_reads: Annotated[
+        bool, typer.Option("--protect-reads", help="Require the API key on every /v1 endpoint, reads included.")
+    ] = False,
+    max_queue: Annotated[int, typer.Option(min=1, help="Requests that may wait for the model; more get 429.")] = 16,
+    max_tokens: Annotated[int, typer.Option(min=1, help="The largest max_tokens a request may ask for.")] = 512,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="The largest request body; larger get 413.")] = 1 << 20,
+    cache_bytes: Annotated[
+        int | None, typer.Option(min=0, help="Keep restored grafts in an LRU of this many bytes of RAM.")
+    ] = None,
+    dense_model: Annotated[
+        str | None,
+        typer.Option("--dense-model", help="Retrieve with this local sentence-transformers directory (default: BM25)."),
+    ] = None,
+    chunk_size: ChunkOpt = None,
+    dtype: DtypeOpt = None,
+    allow_env_mismatch: EnvOpt = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, grafting per request (see the README's Server section)."""
+    import uvicorn
+
+    from kvgraft.retrieval import make_retriever
+    from kvgraft.server import ServerConfig, create_app
+
+    config = ServerConfig(
+        api_key=api_key or None,
+        protect_reads=protect_reads,
+        max_queue=max_queue,
+        max_tokens_limit=max_tokens,
+        default_completion_tokens=min(16, max_tokens),
+        max_body_bytes=max_body_bytes,
+    )
+    config.check()  # before the model loads: a bad flag fails at once
+    retriever = make_retriever(dense_model)
+    engine = Engine.load(
+        model or FALLBACK_MODEL,
+        dtype=dtype or "float32",
+        chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+        store=open_store(store),
+        allow_environment_mismatch=allow_env_mismatch,
+        cache_bytes=cache_bytes,
+    )
+    uvicorn.run(create_app(engine, config, retriever), host=host, port=port, log_level=log_level)
+
+
 if __name__ == "__main__":
     main()
