@@ -49,3 +49,15 @@ def test_restore_vs_recompute_at_ci_scale(tmp_path: Path) -> None:
     data = _run("restore_vs_recompute.py", "--sizes", "64", "--layers", "1", "--repeats", "1", cwd=tmp_path)
     assert [row["tokens"] for row in data["rows"]] == [64]
     assert data["rows"][0]["exact"] is True
+
+
+def test_serve_load_at_ci_scale(tmp_path: Path) -> None:
+    data = _run("serve_load.py", "--requests", "6", "--concurrency", "3", "--max-tokens", "2", cwd=tmp_path)
+    assert data["errors"] == 0 and data["model"] == "demo"
+    assert list(data["modes"]) == ["bare", "grafted", "retrieved"]
+    for mode in data["modes"].values():
+        assert mode["ok"] == 6 and mode["requests_per_s"] > 0 and 0 < mode["p50_ms"] <= mode["p99_ms"]
+    assert data["modes"]["bare"]["grafted"] == 0
+    assert data["modes"]["grafted"]["grafted"] == data["modes"]["retrieved"]["grafted"] == 6
+    assert data["grafted_equal_bare"]["compared"] == 6
+    assert data["grafted_equal_bare"]["equal"] == 6
