@@ -173,17 +173,21 @@ def build(
         Path | None, typer.Option("--jsonl", help='A JSONL file: one graft per line ("text" field).')
     ] = None,
     title: Annotated[str | None, typer.Option("--title", help="Metadata title for a single graft.")] = None,
+    after: Annotated[
+        str | None,
+        typer.Option("--after", help="Continue this graft: the new one holds its tokens, then the text (one chain)."),
+    ] = None,
     model: ModelOpt = None,
     store: StoreOpt = None,
     chunk_size: ChunkOpt = None,
     dtype: DtypeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Build grafts from text and put them in the store."""
+    """Build grafts from text and put them in the store (leading blocks already stored are reused, not computed)."""
     sources = [s for s in (text, file, jsonl) if s is not None]
     if len(sources) != 1:
         raise BadInputError("give exactly one of --text, --file or --jsonl")
-    engine = _engine(model, store, chunk_size, dtype)
+    engine = _engine(model, store, chunk_size, dtype, after)
     if jsonl is not None:
         items = _jsonl_items(jsonl)
     else:
@@ -197,13 +201,14 @@ def build(
     results = []
     with _progress("building", not as_json) as on_chunk:
         for body, metadata in items:
-            results.append(engine.put(body, metadata, on_chunk).to_json())
+            results.append(engine.put(body, metadata, on_chunk, after=after).to_json())
     payload: Any = results if jsonl is not None else results[0]
 
     def render() -> None:
-        table = Table("id", "tokens", "aligned", "bytes")
+        table = Table("id", "tokens", "aligned", "blocks (reused)", "bytes")
         for r in results:
-            table.add_row(r["id"][:16], str(r["tokens"]), str(r["aligned_tokens"]), f"{r['bytes']:,}")
+            blocks = f"{r['blocks']} ({r['reused_blocks']})"
+            table.add_row(r["id"][:16], str(r["tokens"]), str(r["aligned_tokens"]), blocks, f"{r['bytes']:,}")
         out.print(table)
 
     _emit(as_json, payload, render)
@@ -266,7 +271,19 @@ def inspect(
 @command()
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue (after the graft's text).")] = "",
-    graft: Annotated[str | None, typer.Option("--graft", "-g", help="Graft id or prefix to restore first.")] = None,
+    graft: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--graft",
+            "-g",
+            help="Graft id or prefix to restore first. Repeat it to compose grafts in order: exact when they form "
+            "one chain (see build --after), else refused unless --approximate.",
+        ),
+    ] = None,
+    approximate: Annotated[
+        bool,
+        typer.Option("--approximate", help="Compose grafts that are not one chain by re-positioning them (not exact)."),
+    ] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1)] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 means greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
@@ -281,10 +298,11 @@ def generate(
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a continuation, optionally from a restored graft, with a receipt."""
-    engine = _engine(model, store, chunk_size, dtype, graft, allow_env_mismatch)
+    grafts = list(graft or [])
+    engine = _engine(model, store, chunk_size, dtype, grafts[0] if grafts else None, allow_env_mismatch)
     params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
     with _progress("prefill", not as_json) as on_chunk:
-        result = engine.generate(prompt, graft, params, on_chunk=on_chunk)
+        result = engine.generate(prompt, None, params, on_chunk=on_chunk, graft_ids=grafts, approximate=approximate)
     if receipt is not None:
         try:
             result.receipt.write(receipt)
@@ -294,7 +312,10 @@ def generate(
     def render() -> None:
         out.print(result.text, highlight=False, markup=False)
         t = result.timings
-        exact = "yes" if result.exact else "NOT EXACT: " + "; ".join(result.receipt.environment_differences)
+        if result.approximate:
+            exact = "NO, APPROXIMATE composition (re-positioned grafts)"
+        else:
+            exact = "yes" if result.exact else "NOT EXACT: " + "; ".join(result.receipt.environment_differences)
         err.print(
             f"[dim]{len(result.output_tokens)} tokens, ttft {t['ttft_s'] * 1000:.1f} ms, "
             f"{t['decode_tokens_per_s']:.0f} tok/s, exact: {exact}, receipt {result.receipt.id[:16]}[/]"
@@ -331,6 +352,8 @@ def verify(
         failed = [
             name for name, ok in (("output tokens", result.tokens_equal), ("logits", result.logits_equal)) if not ok
         ]
+        if parsed.approximate:
+            failed.append("kind (an approximate composition of re-positioned grafts is never exact)")
     else:
         assert graft is not None
         engine = _engine(model, store, graft=graft)
@@ -351,7 +374,7 @@ def verify(
 
     _emit(as_json, data, render)
     if failed:
-        err.print(f"[bold red]not exact:[/] differs in {', '.join(failed)}", highlight=False)
+        err.print(f"[bold red]not exact:[/] differs in {', '.join(failed)}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
 

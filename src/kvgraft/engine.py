@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft import __version__
 from kvgraft.cache_state import layer_kind, record_kv, restore
+from kvgraft.compose import APPROXIMATE, CHAIN, chain_error, compose_approximate, is_chain
 from kvgraft.errors import BadInputError, FormatError
 from kvgraft.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
 from kvgraft.generate import Generation, TokenCallback, decode
@@ -36,6 +37,7 @@ from kvgraft.receipt import Receipt, SamplingParams
 from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.cache import CachedStore
+from kvgraft.store.index import SUMMARY_CHARS
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ class GenerationResult:
     receipt: Receipt
     generation: Generation = field(repr=False)
 
+    @property
+    def approximate(self) -> bool:
+        return self.receipt.approximate
+
     def to_json(self) -> dict[str, Any]:
         return {
             "text": self.text,
@@ -100,6 +106,8 @@ class GenerationResult:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": list(self.output_tokens),
             "exact": self.exact,
+            "approximate": self.approximate,
+            "composition": self.receipt.composition,
             "stop_reason": self.stop_reason,
             "timings": dict(self.timings),
             "receipt_id": self.receipt.id,
@@ -199,6 +207,8 @@ class Engine:
         (a common preamble, a parent) are read and restored instead of computed, which is exact by construction.
         """
         meta = dict(metadata or {})
+        # What retrieval finds the graft by, unless the caller says otherwise (see kvgraft.retrieval).
+        meta.setdefault("summary", text[:SUMMARY_CHARS])
         if after is None:
             tokens = self.check_text(text)
         else:
@@ -344,24 +354,53 @@ class Engine:
         on_chunk: ChunkCallback | None = None,
         on_token: TokenCallback | None = None,
         keep_logits: bool = False,
+        graft_ids: list[str] | None = None,
+        approximate: bool = False,
     ) -> GenerationResult:
-        """Continue `prompt` (after the graft's text when a graft is given) and return text, timings and a receipt."""
+        """Continue `prompt` (after the grafts' text when grafts are given) and return text, timings and a receipt.
+
+        Several grafts (`graft_ids`, after `graft_id` if both are given) are exact when they form one chain; other
+        lists are refused unless `approximate`, which re-positions them (see `kvgraft.compose`) and labels the result
+        and its receipt approximate.
+        """
         params = params or SamplingParams()
         started = time.perf_counter()
-        if graft_id is None:
+        ids = ([graft_id] if graft_id is not None else []) + list(graft_ids or [])
+        composition: dict[str, Any] | None = None
+        restored: RestoredGraft | None = None
+        if not ids:
             if not prompt:
                 raise BadInputError("prompt is empty; give a prompt or a graft")
             prompt_ids = self.encode_context(prompt)
-            restored = None
             cache = DynamicCache(config=self.model.config)
             input_ids, start, env_diff, first_logits = prompt_ids, 0, [], None
         else:
-            restored = self.restore(graft_id)
+            manifests = [self.store.manifest(i) for i in ids]
             prompt_ids = self.encode_continuation(prompt)
-            cache = restored.cache
-            input_ids = restored.manifest.tokens + prompt_ids
-            start, env_diff = restored.manifest.aligned_tokens, restored.environment_differences
-            first_logits = restored.next_logits
+            if len(manifests) == 1 or is_chain(manifests):
+                restored = self.restore(manifests[-1].id)
+                cache = restored.cache
+                input_ids = restored.manifest.tokens + prompt_ids
+                start, env_diff = restored.manifest.aligned_tokens, restored.environment_differences
+                first_logits = restored.next_logits
+                if len(manifests) > 1:
+                    composition = {"mode": CHAIN, "grafts": [m.id for m in manifests]}
+            elif not approximate:
+                raise BadInputError(chain_error(manifests))
+            else:
+                if not prompt_ids:
+                    raise BadInputError("an approximate composition needs a prompt to continue from")
+                env_diff = sorted(
+                    {
+                        d
+                        for m in manifests
+                        for d in check_fingerprint(m.fingerprint, self.fingerprint, self.allow_environment_mismatch)
+                    }
+                )
+                composed = compose_approximate(self.model, self.schedule, self.store, manifests)
+                cache, input_ids, start = composed.cache, composed.tokens + prompt_ids, len(composed.tokens)
+                first_logits = None
+                composition = {"mode": APPROXIMATE, "grafts": [m.id for m in manifests], "offsets": composed.offsets}
         self._check_length(len(input_ids) + params.max_new_tokens, "input plus max new tokens")
         generation = decode(
             self.model,
@@ -384,6 +423,7 @@ class Engine:
         }
         if restored is not None:
             timings |= {"graft_load_s": restored.load_s, "graft_restore_s": restored.restore_s}
+        approximate_run = composition is not None and composition["mode"] == APPROXIMATE
         receipt = Receipt(
             fingerprint=self.fingerprint,
             model_name=self.model_name,
@@ -393,17 +433,18 @@ class Engine:
             output_tokens=generation.output_tokens,
             logits_chain_sha256=generation.logits_chain,
             sampling=params,
-            exact=not env_diff,
+            exact=not env_diff and not approximate_run,
             environment_differences=env_diff,
             created_at=_now(),
             timings=timings,
+            composition=composition,
         )
         return GenerationResult(
             text=generation.text,
             prompt_tokens=len(prompt_ids),
             output_tokens=generation.output_tokens,
             graft_id=receipt.graft_id,
-            exact=not env_diff,
+            exact=receipt.exact,
             stop_reason=generation.stop_reason,
             timings=timings,
             receipt=receipt,

@@ -15,7 +15,7 @@ from kvgraft.errors import FormatError
 from kvgraft.fingerprint import Fingerprint
 from kvgraft.hashing import Sha256Hex, sha256_json, sha256_token_ids
 
-RECEIPT_VERSION = 1
+RECEIPT_VERSION = 2
 _ID_EXCLUDED = ("id", "created_at", "timings")
 
 
@@ -63,6 +63,12 @@ class Receipt:
     environment_differences: list[str]
     created_at: str
     timings: dict[str, float]
+    composition: dict[str, Any] | None = None
+    """Several grafts in one context: {"mode": "chain" | "approximate", "grafts": [ids], ["offsets": [...]]}."""
+
+    @property
+    def approximate(self) -> bool:
+        return self.composition is not None and self.composition.get("mode") == "approximate"
 
     def to_json(self) -> dict[str, Any]:
         body = {
@@ -80,6 +86,8 @@ class Receipt:
             "sampling": self.sampling.to_json(),
             "exact": self.exact,
             "environment_differences": list(self.environment_differences),
+            "composition": self.composition,
+            "approximate": self.approximate,
             "created_at": self.created_at,
             "timings": dict(self.timings),
         }
@@ -96,6 +104,16 @@ class Receipt:
 def receipt_id(body: dict[str, Any]) -> Sha256Hex:
     """SHA-256 of the canonical receipt without `id`, `created_at` and `timings` (which vary run to run)."""
     return sha256_json({k: v for k, v in body.items() if k not in _ID_EXCLUDED})
+
+
+def _composition(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("mode") not in ("chain", "approximate"):
+        raise ValueError("composition must be null or an object with mode 'chain' or 'approximate'")
+    if not isinstance(value.get("grafts"), list) or len(value["grafts"]) < 2:
+        raise ValueError("composition.grafts must list at least two grafts")
+    return dict(value)
 
 
 def parse_receipt(raw: str, where: str) -> Receipt:
@@ -120,7 +138,10 @@ def parse_receipt(raw: str, where: str) -> Receipt:
             environment_differences=[str(d) for d in data["environment_differences"]],
             created_at=str(data["created_at"]),
             timings={str(k): float(v) for k, v in data["timings"].items()},
+            composition=_composition(data["composition"]),
         )
+        if data["approximate"] is not receipt.approximate:
+            raise ValueError("approximate must be true exactly for an approximate composition")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"{where}: malformed receipt ({type(exc).__name__}: {exc})") from None
     if data.get("input_sha256") != sha256_token_ids(receipt.input_tokens):

@@ -13,7 +13,7 @@ from kvgraft.engine import Engine
 from kvgraft.fingerprint import check_fingerprint
 from kvgraft.graft_format import NEXT_LOGITS_NAME, block_digest, block_tensors, states_from
 from kvgraft.hashing import sha256_tensor
-from kvgraft.receipt import Receipt
+from kvgraft.receipt import Receipt, SamplingParams
 from kvgraft.schedule import ChunkCallback, forward_tokens
 
 
@@ -43,10 +43,12 @@ class ReceiptVerification:
     first_divergence: int | None
     rerun_ttft_s: float
     environment_differences: list[str] = field(default_factory=list)
+    approximate: bool = False
+    """The receipt is of an approximate composition: never exact, whatever the rerun shows."""
 
     @property
     def exact(self) -> bool:
-        return self.tokens_equal and self.logits_equal and not self.environment_differences
+        return self.tokens_equal and self.logits_equal and not self.environment_differences and not self.approximate
 
     def to_json(self) -> dict[str, Any]:
         return {"exact": self.exact, **asdict(self)}
@@ -119,4 +121,45 @@ def verify_receipt(engine: Engine, receipt: Receipt, on_chunk: ChunkCallback | N
         first_divergence=first_divergence,
         rerun_ttft_s=rerun.ttft_s,
         environment_differences=env_diff,
+        approximate=receipt.approximate,
+    )
+
+
+@dataclass
+class CompositionError:
+    """How far an approximate composition is from the exact recompute of the same concatenated tokens."""
+
+    graft_ids: list[str]
+    kl_first: float
+    """KL(exact || approximate) of the first generated token's distribution."""
+    argmax_agree: bool
+    tokens_equal: bool
+    first_divergence: int | None
+    approximate_tokens: list[int]
+    exact_tokens: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_composition(
+    engine: Engine, graft_ids: list[str], prompt: str, params: SamplingParams | None = None
+) -> CompositionError:
+    """Run an approximate composition and the exact fresh run over the same tokens, and compare them."""
+    params = params or SamplingParams()
+    approx = engine.generate(prompt, graft_ids=graft_ids, params=params, keep_logits=True, approximate=True)
+    exact = engine.run_fresh(approx.receipt.input_tokens, params, keep_logits=True)
+    a, b = approx.output_tokens, exact.output_tokens
+    divergence = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if divergence is None and len(a) != len(b):
+        divergence = min(len(a), len(b))
+    first_a, first_b = approx.generation.step_logits[0], exact.step_logits[0]
+    return CompositionError(
+        graft_ids=list(approx.receipt.composition["grafts"]) if approx.receipt.composition else list(graft_ids),
+        kl_first=kl_divergence(first_b, first_a),
+        argmax_agree=int(first_a.argmax()) == int(first_b.argmax()),
+        tokens_equal=a == b,
+        first_divergence=divergence,
+        approximate_tokens=list(a),
+        exact_tokens=list(b),
     )
