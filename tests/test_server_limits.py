@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 from kvgraft.cli import app as cli_app
 from kvgraft.engine import Engine
 from kvgraft.server import ServerConfig, create_app
-from kvgraft.server.app import COMPOSITION_NOT_SUPPORTED
 from kvgraft.server.background import RunningServer, serve_in_thread
+from kvgraft.server.generation import COMPOSITION_NOT_SUPPORTED
 from kvgraft.store import LocalStore
 
 from conftest import TEST_CHUNK, TEXT, cached_model

@@ -128,7 +128,7 @@ def test_receipts_are_kept_in_memory_and_on_disk(tmp_path: Path) -> None:
     engine = Engine(model, tokenizer, "random:llama", TEST_CHUNK)
     receipts = [engine.generate(f"text {i}", params=SamplingParams(max_new_tokens=2)).receipt for i in range(3)]
     book = ReceiptBook(tmp_path / "receipts", capacity=2)
-    ids = [book.add(r) for r in receipts]
+    ids = [book.add(r)["id"] for r in receipts]
     assert ids == [r.id for r in receipts]
     assert book.get(ids[0]) == receipts[0].to_json()  # evicted from memory, read back from disk
     for receipt_id in ids:

@@ -30,7 +30,8 @@ class ReceiptBook:
         self._recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, receipt: Receipt) -> str:
+    def add(self, receipt: Receipt) -> dict[str, Any]:
+        """Keep a receipt; returns its JSON (what `Receipt.to_json` gives, computed once here)."""
         data = receipt.to_json()
         with self._lock:
             self._recent[data["id"]] = data
@@ -44,7 +45,7 @@ class ReceiptBook:
                 # The reply still carries the receipt (and memory keeps it); a full or read-only disk must not
                 # fail a generation that already happened.
                 log.warning("cannot persist receipt %s in %s: %s", data["id"], self.directory, exc)
-        return str(data["id"])
+        return data
 
     def get(self, receipt_id: str) -> dict[str, Any]:
         if not _RECEIPT_ID.match(receipt_id):

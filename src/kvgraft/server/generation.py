@@ -1,0 +1,242 @@
+"""One generation request: from the validated body to a job for the model worker, and from its outcome to the
+OpenAI-shaped reply (usage, finish reason, the `kvgraft` object)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from kvgraft.engine import Engine, GenerationResult
+from kvgraft.errors import NotFoundError
+from kvgraft.receipt import SamplingParams
+from kvgraft.server.config import ServerConfig
+from kvgraft.server.errors import ApiError
+from kvgraft.server.grafting import GraftChoice, GraftPlan, plan_grafts
+from kvgraft.server.metrics import Metrics
+from kvgraft.server.prompts import TextStream, chat_prompt
+from kvgraft.server.schemas import (
+    GraftUsed,
+    KvgraftInfo,
+    KvgraftOptions,
+    PromptTokensDetails,
+    Usage,
+    _GenerationRequest,
+)
+from kvgraft.server.state import ServerState
+from kvgraft.server.worker import CancelledJobError
+
+COMPOSITION_NOT_SUPPORTED = "composing several grafts is not supported yet; name one graft"
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """What a request asks the model for, decided before it reaches the worker."""
+
+    prompt: str | None
+    """The text to continue (completions); None for chat, whose prompt is rendered on the worker."""
+    messages: list[dict[str, str]] | None
+    query: str
+    """What retrieval searches the library with."""
+    params: SamplingParams
+    choice: GraftChoice
+    include_receipt: bool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: GenerationResult
+    plan: GraftPlan
+    receipt: dict[str, Any]
+    queued_s: float
+    tail: str
+    """What a stream still has to send after its last delta (the final text's unsent end)."""
+
+
+# --- request to job --------------------------------------------------------------------------------------------
+
+
+def unknown_model(asked: str, served: str) -> ApiError:
+    return ApiError(
+        404, f"model '{asked}' is not served here; this server serves '{served}'", param="model", code="model_not_found"
+    )
+
+
+def token_budget(asked: int | None, default: int, config: ServerConfig, name: str) -> int:
+    value = default if asked is None else asked
+    if value > config.max_tokens_limit:
+        raise ApiError(
+            400,
+            f"{name} is {value}; this server allows at most {config.max_tokens_limit}",
+            param=name,
+            code="max_tokens_too_large",
+        )
+    return value
+
+
+def make_job(
+    state: ServerState,
+    body: _GenerationRequest,
+    prompt: str | None,
+    messages: list[dict[str, str]] | None,
+    query: str,
+    max_tokens: int,
+) -> GenerationJob:
+    if body.model != state.model_id:
+        raise unknown_model(body.model, state.model_id)
+    if body.n != 1:
+        raise ApiError(400, "n must be 1: this server returns one choice per request", param="n", code="unsupported")
+    unsupported = body.unsupported()
+    if unsupported:
+        name = unsupported[0]
+        raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+    options = body.kvgraft or KvgraftOptions()
+    grafts = tuple(options.grafts or ())
+    if len(grafts) > 1:
+        raise ApiError(400, COMPOSITION_NOT_SUPPORTED, param="kvgraft.grafts", code="composition_not_supported")
+    params = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=body.temperature or 0.0,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed or 0,
+        stop=body.stops(),
+    )
+    choice = GraftChoice(grafts, options.retrieve, options.min_score, options.min_match)
+    return GenerationJob(prompt, messages, query, params, choice, options.include_receipt)
+
+
+def generation(
+    state: ServerState,
+    job: GenerationJob,
+    deltas: Callable[[str], None] | None,
+    cancelled: threading.Event | None = None,
+) -> Callable[[Engine], Outcome]:
+    """The work of one generation, run on the model worker. With `deltas`, text is streamed as it is decoded
+    (decoding runs here too: a fast tokenizer must not be used from two threads at once)."""
+    enqueued = time.perf_counter()
+
+    def run(engine: Engine) -> Outcome:
+        queued_s = time.perf_counter() - enqueued
+        prompt = job.prompt if job.prompt is not None else chat_prompt(engine.tokenizer, job.messages or [])
+        try:
+            plan = plan_grafts(
+                engine,
+                state.library.get,
+                job.choice,
+                job.query,
+                prompt,
+                job.params.max_new_tokens,
+                state.config.retrieval_candidates,
+            )
+        except NotFoundError as exc:
+            if job.choice.grafts:
+                raise ApiError(404, state.redact(str(exc)), param="kvgraft.grafts", code="graft_not_found") from None
+            raise
+        stream = TextStream(engine.tokenizer, job.params.stop) if deltas is not None else None
+
+        def on_token(token: int) -> None:
+            if cancelled is not None and cancelled.is_set():
+                raise CancelledJobError
+            if stream is not None and deltas is not None:
+                delta = stream.push(token)
+                if delta:
+                    deltas(delta)
+
+        result = engine.generate(prompt, plan.graft_id, job.params, on_token=on_token)
+        receipt = state.receipts.add(result.receipt)
+        record(state.metrics, result, plan, queued_s)
+        tail = stream.finish(result.text) if stream is not None else ""
+        return Outcome(result, plan, receipt, queued_s, tail)
+
+    return run
+
+
+def record(metrics: Metrics, result: GenerationResult, plan: GraftPlan, queued_s: float) -> None:
+    receipt = result.receipt
+    metrics.queue_wait_seconds.observe(queued_s)
+    metrics.ttft_seconds.observe(result.timings["ttft_s"])
+    metrics.tokens.labels("prompt").inc(len(receipt.input_tokens))
+    metrics.tokens.labels("restored").inc(receipt.graft_aligned_tokens)
+    metrics.tokens.labels("completion").inc(len(result.output_tokens))
+    metrics.generations.labels(plan.source or "none").inc()
+    if plan.source is not None:
+        metrics.graft_hits.labels(plan.source).inc()
+        metrics.restore_seconds.observe(
+            result.timings.get("graft_load_s", 0.0) + result.timings.get("graft_restore_s", 0.0)
+        )
+    elif plan.searched:
+        metrics.retrieval_misses.inc()
+
+
+# --- replies ---------------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(result: GenerationResult) -> Literal["stop", "length"]:
+    return "length" if result.stop_reason == "length" else "stop"
+
+
+def usage(outcome: Outcome) -> Usage:
+    receipt = outcome.receipt
+    prompt = len(receipt["input_tokens"])
+    completion = len(receipt["output_tokens"])
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=receipt["graft_aligned_tokens"]),
+    )
+
+
+def kvgraft_info(outcome: Outcome, include_receipt: bool) -> KvgraftInfo:
+    plan, result = outcome.plan, outcome.result
+    grafts = []
+    if plan.graft_id is not None and plan.manifest is not None and plan.source in ("request", "retrieval"):
+        grafts.append(
+            GraftUsed(
+                id=plan.graft_id,
+                source="request" if plan.source == "request" else "retrieval",
+                tokens=len(plan.manifest.tokens),
+                restored_tokens=plan.manifest.aligned_tokens,
+            )
+        )
+    receipt_id = str(outcome.receipt["id"])
+    return KvgraftInfo(
+        grafts=grafts,
+        retrieval=[c.to_json() for c in plan.retrieval],
+        exact=result.exact,
+        approximate=result.approximate,
+        environment_differences=list(result.receipt.environment_differences),
+        receipt_id=receipt_id,
+        receipt_url=f"/v1/receipts/{receipt_id}",
+        timings=dict(result.timings) | {"queue_s": outcome.queued_s},
+        receipt=outcome.receipt if include_receipt else None,
+    )
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    data = model.model_dump(mode="json")
+    for key in ("usage", "kvgraft"):
+        if key in data and data[key] is None:
+            del data[key]  # absent rather than null in chunks that do not carry them
+    if isinstance(data.get("kvgraft"), dict) and data["kvgraft"].get("receipt") is None:
+        data["kvgraft"].pop("receipt", None)
+    return data
+
+
+def json_reply(model: BaseModel, status: int = 200) -> JSONResponse:
+    return JSONResponse(dump(model), status_code=status)
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
