@@ -8,6 +8,12 @@ Then, for the library at 1%, 10% and 100% of its grafts, a fresh process serves 
 held in the library): BM25 retrieval of the best block, restore with an LRU RAM tier bounded at --cache-mb, and
 time to first token. It reports library tokens vs the window, bytes on disk, peak resident memory per library
 size, retrieval and restore latency p50/p99, and time to first token with the block restored vs recomputed.
+
+Then the dedup check: --dedup-grafts grafts that share a 1,024-token preamble (random:gemma3, which has sliding
+and full layers and 4,096 positions; C=64), built into a store of their own. It reports block files and bytes on
+disk against what the grafts would take each on its own, the build time of the first graft (which computes the
+preamble) against the median of the others (which read it back), and verifies one graft bitwise against a fresh
+recompute.
 """
 
 from __future__ import annotations
@@ -25,6 +31,44 @@ from pathlib import Path
 from typing import Any
 
 PUBLISHED_TOKENS = 2_854_766
+PREAMBLE_TOKENS = 1024
+
+
+def dedup(store_dir: Path, grafts: int) -> dict[str, Any]:
+    """Grafts sharing a 1,024-token preamble: is the preamble stored once, and is a graft still exact?"""
+    from kvgraft.engine import Engine
+    from kvgraft.store import LocalStore
+    from kvgraft.store.index import store_stats
+    from kvgraft.verify import verify_graft
+
+    engine = Engine.load("random:gemma3", store=str(store_dir))
+    # The byte tokenizer gives one token per byte after BOS: 1,023 bytes make a 1,024-token preamble.
+    sentence = "All answers below follow the same house rules for units, rounding and layout. "
+    preamble = (sentence * 20)[: PREAMBLE_TOKENS - 1]
+    build_s, puts = [], []
+    for index in range(grafts):
+        body = f" Document {index}: " + f"item {index} has weight {3 * index + 1} and cost {7 * index + 2}. " * 6
+        t0 = time.perf_counter()
+        puts.append(engine.put(preamble + body))
+        build_s.append(time.perf_counter() - t0)
+    local = LocalStore(store_dir)
+    stats = store_stats(local)
+    check = verify_graft(engine, puts[-1].id)
+    preamble_blocks = PREAMBLE_TOKENS // engine.schedule.chunk_size
+    return {
+        "grafts": grafts,
+        "preamble_tokens": PREAMBLE_TOKENS,
+        "blocks_named": sum(p.blocks for p in puts),
+        "block_files": len(local.block_files()),
+        "preamble_blocks": preamble_blocks,
+        "reused_blocks": [p.reused_blocks for p in puts],
+        "disk_bytes": stats.disk_bytes,
+        "logical_bytes": stats.logical_bytes,
+        "dedup_ratio": stats.dedup_ratio,
+        "build_first_s": build_s[0],
+        "build_rest_median_s": statistics.median(build_s[1:]) if grafts > 1 else None,
+        "verified_exact": check.exact,
+    }
 
 
 def build(store_dir: Path, target_tokens: int) -> None:
@@ -109,6 +153,7 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=None, help="Build into / reuse this store.")
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--cache-mb", type=int, default=16)
+    parser.add_argument("--dedup-grafts", type=int, default=20)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--serve", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -146,12 +191,16 @@ def main() -> None:
 
         stats = store_stats(LocalStore(store_dir))
         full = runs["100%"]
+        with tempfile.TemporaryDirectory(prefix="kvgraft-dedup-", dir=".") as dedup_tmp:
+            shared = dedup(Path(dedup_tmp), args.dedup_grafts)
         result = {
             "library_tokens": stats.tokens,
             "grafts": stats.grafts,
             "window": 1024,
             "effective_ratio": stats.tokens / 1024,
             "disk_bytes": stats.disk_bytes,
+            "logical_bytes": stats.logical_bytes,
+            "dedup_ratio": stats.dedup_ratio,
             "build_s": build_s,
             "cache_budget_bytes": args.cache_mb << 20,
             "rss_peak_bytes": {label: run["rss_peak_bytes"] for label, run in runs.items()},
@@ -166,6 +215,7 @@ def main() -> None:
             "ttft_recompute_ms_p50": 1000 * statistics.median(full["ttft_recompute_s"]),
             "ttft_restore_over_recompute": statistics.median(full["ttft_restore_s"])
             / statistics.median(full["ttft_recompute_s"]),
+            "dedup": shared,
         }
     if args.json:
         print(json.dumps(result))
@@ -188,6 +238,15 @@ def main() -> None:
     print(
         f"time to first token: restored {result['ttft_restore_ms_p50']:.1f} ms vs recomputed "
         f"{result['ttft_recompute_ms_p50']:.1f} ms (ratio {result['ttft_restore_over_recompute']:.2f})"
+    )
+    d = result["dedup"]
+    print(
+        f"dedup: {d['grafts']} grafts sharing a {d['preamble_tokens']:,}-token preamble "
+        f"name {d['blocks_named']} blocks, "
+        f"{d['block_files']} block files on disk (the preamble's {d['preamble_blocks']} once); "
+        f"{d['disk_bytes'] / 2**20:.1f} MB on disk vs {d['logical_bytes'] / 2**20:.1f} MB logical "
+        f"(dedup ratio {d['dedup_ratio']:.2f}); build {d['build_first_s']:.2f} s first vs "
+        f"{d['build_rest_median_s']:.2f} s median after; last graft verified exact: {d['verified_exact']}"
     )
 
 

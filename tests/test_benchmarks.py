@@ -27,7 +27,7 @@ def _run(script: str, *args: str, cwd: Path) -> dict:  # type: ignore[type-arg]
 
 
 def test_effective_context_at_ci_scale(tmp_path: Path) -> None:
-    data = _run("effective_context.py", "--scale", "0.001", "--queries", "10", cwd=tmp_path)
+    data = _run("effective_context.py", "--scale", "0.001", "--queries", "10", "--dedup-grafts", "3", cwd=tmp_path)
     for key in (
         "library_tokens",
         "window",
@@ -42,7 +42,12 @@ def test_effective_context_at_ci_scale(tmp_path: Path) -> None:
     assert set(data["rss_peak_bytes"]) == {"1%", "10%", "100%"}
     assert data["library_tokens"] >= 2_854 and data["effective_ratio"] == data["library_tokens"] / 1024
     assert data["retrieval_hit_rate"] == 1.0
-    assert list(tmp_path.iterdir()) == []  # the temporary library is cleaned up
+    dedup = data["dedup"]
+    # Three grafts share a 1,024-token preamble: its 16 blocks are on disk once, read back by the second and third.
+    assert dedup["reused_blocks"] == [0, 16, 16] and dedup["preamble_blocks"] == 16
+    assert dedup["block_files"] == dedup["blocks_named"] - 2 * 16
+    assert dedup["dedup_ratio"] > 2.0 and dedup["verified_exact"] is True
+    assert list(tmp_path.iterdir()) == []  # the temporary libraries are cleaned up
 
 
 def test_restore_vs_recompute_at_ci_scale(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kvgraft.engine import Engine
-from kvgraft.errors import NotFoundError
+from kvgraft.errors import IntegrityError, NotFoundError
 from kvgraft.receipt import SamplingParams
 from kvgraft.store import LocalStore
 from kvgraft.store.cache import CachedStore, stored_bytes
@@ -56,3 +56,31 @@ def test_restores_served_from_the_cache_stay_exact(tmp_path: Path) -> None:
     assert cache.hits >= 1  # mutated the cached tensors
     assert first.receipt.logits_chain_sha256 == second.receipt.logits_chain_sha256
     assert verify_receipt(engine, second.receipt).exact
+
+
+def test_prefetch_loads_in_the_background_and_the_next_get_is_a_hit(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "s")
+    ids = [_engine(local).put(f"{TEXT} {i}").id for i in range(2)]
+    cache = CachedStore(local, max_bytes=1 << 30)
+    future = cache.prefetch(ids[1][:10])
+    assert future is not None
+    assert future.result(timeout=60).manifest.id == ids[1]
+    assert cache.prefetch(ids[1]) is None  # already cached: nothing to do
+    assert cache.get(ids[1]).manifest.id == ids[1]
+    assert (cache.hits, cache.misses, cache.prefetched) == (1, 0, 1)
+    assert cache.cached_ids() == [ids[1]]
+
+
+def test_a_prefetch_of_a_corrupted_graft_fails_when_it_is_asked_for(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "s")
+    graft_id = _engine(local).put(TEXT).id
+    block = local.block_path(local.manifest(graft_id).blocks[0].key)
+    raw = bytearray(block.read_bytes())
+    raw[-1] ^= 0x01
+    block.write_bytes(bytes(raw))
+    cache = CachedStore(local, max_bytes=1 << 30)
+    future = cache.prefetch(graft_id)
+    assert future is not None and isinstance(future.exception(timeout=60), IntegrityError)
+    with pytest.raises(IntegrityError, match="does not match its SHA-256"):
+        cache.get(graft_id)
+    assert cache.cached_ids() == []
