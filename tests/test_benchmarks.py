@@ -66,3 +66,17 @@ def test_serve_load_at_ci_scale(tmp_path: Path) -> None:
     assert data["modes"]["grafted"]["grafted"] == data["modes"]["retrieved"]["grafted"] == 6
     assert data["grafted_equal_bare"]["compared"] == 6
     assert data["grafted_equal_bare"]["equal"] == 6
+
+
+def test_composition_at_ci_scale(tmp_path: Path) -> None:
+    data = _run("composition.py", "--archs", "llama", "--pairs", "2", "--problems", "2", cwd=tmp_path)
+    row = data["random"]["llama"]
+    assert row["pairs"] == 2 and 0.0 < row["kl_first_median"] <= row["kl_first_max"]
+    demo = data["demo"]
+    assert demo["problems"] == 2 and set(demo["correct"]) == {
+        "own graft alone (exact)",
+        "after another graft, exact recompute",
+        "approximate",
+    }
+    assert demo["kl_first_max"] >= 0.0 and 0 <= demo["argmax_agree"] <= 2
+    assert list(tmp_path.iterdir()) == []

@@ -108,11 +108,15 @@ def test_models_without_rope_cannot_be_repositioned(make_engine: EngineFactory) 
         engine.generate(" x", graft_ids=[a.id, b.id], params=PARAMS, approximate=True)
 
 
-def test_an_approximate_composition_needs_a_prompt(make_engine: EngineFactory) -> None:
+def test_an_approximate_composition_needs_a_prompt_or_a_tail(make_engine: EngineFactory) -> None:
     engine = make_engine("random:llama")
-    a, b = engine.put(FIRST * 3), engine.put(SECOND * 3)
-    with pytest.raises(BadInputError, match="needs a prompt"):
-        engine.generate("", graft_ids=[a.id, b.id], params=PARAMS, approximate=True)
+    a = engine.put(FIRST * 3)
+    aligned = engine.put("x" * (2 * TEST_CHUNK - 1))  # BOS + 31 bytes: every token has KV, no tail to compute
+    with pytest.raises(BadInputError, match="has no tail to compute needs a prompt"):
+        engine.generate("", graft_ids=[a.id, aligned.id], params=PARAMS, approximate=True)
+    # With a tail, its forward gives the first logits: no prompt needed.
+    result = engine.generate("", graft_ids=[aligned.id, a.id], params=PARAMS, approximate=True)
+    assert result.approximate and len(result.output_tokens) == PARAMS.max_new_tokens
 
 
 def test_cli_composes_a_chain_and_labels_an_approximate_run(tmp_path: Path) -> None:

@@ -103,6 +103,8 @@ class ComposedContext:
     tokens: list[int]
     offsets: list[int]
     """Position at which each graft starts."""
+    last_logits: torch.Tensor | None
+    """Next-token logits after the last graft's tail, [vocab]; None when the last graft has no tail."""
 
 
 def compose_approximate(
@@ -113,6 +115,7 @@ def compose_approximate(
     cache = DynamicCache(config=model.config)
     tokens: list[int] = []
     offsets: list[int] = []
+    last_logits: torch.Tensor | None = None
     for manifest in manifests:
         offset = len(tokens)
         offsets.append(offset)
@@ -129,7 +132,6 @@ def compose_approximate(
         if manifest.aligned_tokens:
             append_kv(cache, layers_kv)
         tail = manifest.tokens[manifest.aligned_tokens :]
-        if tail:
-            forward_tokens(model, cache, tail, offset + manifest.aligned_tokens, schedule)
+        last_logits = forward_tokens(model, cache, tail, offset + manifest.aligned_tokens, schedule) if tail else None
         tokens += manifest.tokens
-    return ComposedContext(cache, tokens, offsets)
+    return ComposedContext(cache, tokens, offsets, last_logits)

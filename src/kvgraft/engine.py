@@ -388,8 +388,6 @@ class Engine:
             elif not approximate:
                 raise BadInputError(chain_error(manifests))
             else:
-                if not prompt_ids:
-                    raise BadInputError("an approximate composition needs a prompt to continue from")
                 env_diff = sorted(
                     {
                         d
@@ -399,7 +397,11 @@ class Engine:
                 )
                 composed = compose_approximate(self.model, self.schedule, self.store, manifests)
                 cache, input_ids, start = composed.cache, composed.tokens + prompt_ids, len(composed.tokens)
-                first_logits = None
+                first_logits = composed.last_logits
+                if not prompt_ids and first_logits is None:
+                    raise BadInputError(
+                        "an approximate composition whose last graft has no tail to compute needs a prompt"
+                    )
                 composition = {"mode": APPROXIMATE, "grafts": [m.id for m in manifests], "offsets": composed.offsets}
         self._check_length(len(input_ids) + params.max_new_tokens, "input plus max new tokens")
         generation = decode(
