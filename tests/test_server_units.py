@@ -16,9 +16,11 @@ from kvgraft.engine import Engine
 from kvgraft.errors import BadInputError, NotFoundError
 from kvgraft.models.byte_tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
 from kvgraft.receipt import SamplingParams, parse_receipt
+from kvgraft.server.grafting import LibraryView
 from kvgraft.server.prompts import TextStream, chat_prompt
 from kvgraft.server.receipts import ReceiptBook
 from kvgraft.server.worker import ModelWorker, QueueFullError, WorkerUnavailableError
+from kvgraft.store import LocalStore
 
 from conftest import TEST_CHUNK, cached_model
 
@@ -140,3 +142,16 @@ def test_receipts_are_kept_in_memory_and_on_disk(tmp_path: Path) -> None:
         memory_only.get(ids[0])  # an edited file is never served
     with pytest.raises(BadInputError):
         book.get("../../etc/passwd")
+
+
+def test_the_library_view_rebuilds_only_when_the_store_changed(tmp_path: Path) -> None:
+    model, tokenizer = cached_model("random:llama")
+    engine = Engine(model, tokenizer, "random:llama", TEST_CHUNK, LocalStore(tmp_path / "store"))
+    view = LibraryView(engine.store, refresh_s=3600)
+    assert view.get().library.search("zebras", 3) == []
+    first = view.get()
+    assert view.get() is first  # nothing changed: the same index, not rebuilt
+    made = engine.put("Zebras graze at dawn.")  # as another process would: the view is not told
+    assert [h.graft_id for h in view.get().library.search("zebras", 3)] == [made.id]
+    engine.store.delete(made.id)
+    assert view.get().library.search("zebras", 3) == []

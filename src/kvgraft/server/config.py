@@ -28,7 +28,7 @@ class ServerConfig:
     receipts_in_memory: int = 1000
     retrieval_candidates: int = 3
     library_refresh_s: float = 5.0
-    """How stale the retrieval index may be about grafts written by other processes (own writes show at once)."""
+    """How stale the retrieval index of a non-local store may be (a local store's changes show at once)."""
 
     def check(self) -> None:
         if self.api_key is not None and not self.api_key.strip():

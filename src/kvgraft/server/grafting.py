@@ -5,6 +5,7 @@ Runs on the model worker (it reads the store and the retrieval index, which the 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from kvgraft.graft_format import Manifest
 from kvgraft.library import Library, jaccard
 from kvgraft.models.loading import max_positions
 from kvgraft.retrieval import Retriever, make_retriever
-from kvgraft.store import GraftStore
+from kvgraft.store import GraftStore, LocalStore
 from kvgraft.store.cache import CachedStore
 
 
@@ -74,8 +75,10 @@ class LibrarySnapshot:
 
 
 class LibraryView:
-    """The store's retrieval library, rebuilt after the server's own writes and at most `refresh_s` stale about
-    other processes' writes (rebuilding relists the store and re-indexes every text, so not per request)."""
+    """The store's retrieval library, rebuilt only when the store changed: rebuilding re-indexes every text, far too
+    slow to do per request on a large library. A local store's `grafts/` directory changes its modification time
+    whenever a graft is added or removed (both are renames), by this server or any other process; other stores are
+    rebuilt at most every `refresh_s`. The server's own writes invalidate at once."""
 
     def __init__(
         self,
@@ -89,22 +92,33 @@ class LibraryView:
         self._retriever = retriever if retriever is not None else make_retriever()
         self._clock = clock
         self._snapshot: LibrarySnapshot | None = None
-        self._built_at = 0.0
+        self._signature: object = None
         self._lock = threading.Lock()
 
     def invalidate(self) -> None:
         with self._lock:
             self._snapshot = None
 
+    def _current_signature(self) -> object:
+        if isinstance(self._store, LocalStore):
+            try:
+                info = os.stat(self._store.root / "grafts")
+            except OSError:
+                return None  # no grafts directory yet: an empty library
+            # Timestamps are only as fine as the kernel's clock tick; the link count (one per subdirectory on most
+            # file systems) still tells two changes within one tick apart.
+            return (info.st_mtime_ns, info.st_nlink, info.st_ino)
+        return int(self._clock() // self._refresh_s)
+
     def get(self) -> LibrarySnapshot:
         with self._lock:
-            now = self._clock()
-            if self._snapshot is None or now - self._built_at > self._refresh_s:
+            signature = self._current_signature()
+            if self._snapshot is None or signature != self._signature:
                 # `empty()` shares a dense retriever's loaded model instead of loading it again.
                 library = Library.from_store(self._store, self._retriever.empty())
                 texts = {(g, label): text for g, label, text in library.block_entries + library.other_entries}
                 self._snapshot = LibrarySnapshot(library, texts)
-                self._built_at = now
+                self._signature = signature
             return self._snapshot
 
 
