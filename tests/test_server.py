@@ -380,3 +380,32 @@ def test_demo_model_answers_with_a_retrieved_graft(tmp_path: Path) -> None:
         chunks = list(chat)
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         assert kv(chunks[-1])["grafts"][0]["id"] == made["id"]
+
+
+def test_random_gemma4_grafted_chat_and_completion_are_exact(tmp_path: Path) -> None:
+    """Sliding-window and KV-shared layers, through the wire: a graft longer than the window restores exactly."""
+    model, tokenizer = cached_model("random:gemma4")
+    engine = Engine(model, tokenizer, "random:gemma4", TEST_CHUNK, LocalStore(tmp_path / "store"))
+    with serve_in_thread(create_app(engine, ServerConfig(api_key=KEY))) as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        made = http.post("/v1/grafts", json={"text": TEXT}).json()
+        assert made["aligned_tokens"] > 32  # past random:gemma4's 32-token sliding window
+        messages: Any = [{"role": "user", "content": "Go on"}]
+        grafted = client.chat.completions.create(
+            model="random:gemma4",
+            messages=messages,
+            max_tokens=10,
+            extra_body={"kvgraft": {"grafts": [made["id"]], "include_receipt": True}},
+        )
+        fresh = client.completions.create(
+            model="random:gemma4",
+            prompt=TEXT + "user: Go on\nassistant:",
+            max_tokens=10,
+            extra_body={"kvgraft": {"retrieve": False, "include_receipt": True}},
+        )
+        g, f = kv(grafted), kv(fresh)
+        assert g["grafts"][0]["id"] == made["id"] and g["exact"] is True
+        assert g["receipt"]["output_tokens"] == f["receipt"]["output_tokens"]
+        assert g["receipt"]["logits_chain_sha256"] == f["receipt"]["logits_chain_sha256"]
+        assert grafted.choices[0].message.content == fresh.choices[0].text
