@@ -177,3 +177,43 @@ def test_a_stored_block_with_other_bytes_is_refused(make_engine: EngineFactory, 
     store.block_path(ref.key).write_bytes(block_file_bytes(other, block_digest(other)))
     with pytest.raises(IntegrityError, match=f"block {ref.key[:12]} is stored with other bytes"):
         store.put(built.manifest, built.tensors, built.blocks)
+
+
+def test_a_damaged_shared_block_is_recomputed_and_replaced_by_the_next_build(
+    make_engine: EngineFactory, store: LocalStore
+) -> None:
+    engine = make_engine()
+    first = engine.put(PREAMBLE + "Question one")
+    key = store.manifest(first.id).blocks[0].key
+    path = store.block_path(key)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError):
+        store.get(first.id)
+    second = engine.put(PREAMBLE + "Question two")
+    assert second.reused_blocks == 0  # the damaged first block stopped the reuse at once
+    assert store.get(first.id).manifest.id == first.id  # and its rewrite repaired the first graft too
+
+
+def test_a_block_whose_dtype_differs_from_the_manifest_is_refused(
+    make_engine: EngineFactory, store: LocalStore
+) -> None:
+    engine = make_engine()
+    put = engine.put(TEXT)
+    ref = store.manifest(put.id).blocks[0]
+    tensors = store.read_block(ref.key)[1]
+    as_bf16 = {name: t.clone().view(torch.bfloat16) for name, t in tensors.items()}
+    store.block_path(ref.key).write_bytes(block_file_bytes(as_bf16, ref.sha256))  # same bytes, other dtype
+    with pytest.raises(FormatError, match=r"is torch\.bfloat16, the manifest says float32"):
+        store.get(put.id)
+
+
+def test_gc_clears_staging_litter(store: LocalStore, make_engine: EngineFactory) -> None:
+    make_engine().put(TEXT)
+    litter = store.root / "tmp" / "abandoned-put"
+    litter.mkdir()
+    (litter / "tensors.safetensors").write_bytes(b"partial")
+    assert store.gc(grace_s=3600) == (0, 0) and litter.exists()
+    store.gc(grace_s=0)
+    assert not litter.exists() and len(store.ids()) == 1

@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from kvgraft import __version__
 from kvgraft.cache_state import layer_kind, record_kv, restore
 from kvgraft.compose import APPROXIMATE, CHAIN, chain_error, compose_approximate, is_chain
-from kvgraft.errors import BadInputError, FormatError
+from kvgraft.errors import BadInputError, FormatError, IntegrityError
 from kvgraft.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
 from kvgraft.generate import Generation, TokenCallback, decode
 from kvgraft.graft_format import (
@@ -241,8 +241,12 @@ class Engine:
         kinds = [layer_kind(layer) for layer in DynamicCache(config=self.model.config).layers]
         refs: list[BlockRef] = []
         reused: list[dict[str, torch.Tensor]] = []
-        for key in keys[:reuse]:
-            ref, block = self.store.read_block(key)
+        for index, key in enumerate(keys[:reuse]):
+            try:
+                ref, block = self.store.read_block(key)
+            except (FormatError, IntegrityError):
+                reuse = index  # a damaged stored block: compute it again from here; the put replaces it
+                break
             refs.append(ref)
             reused.append(block)
         if any(_shapes(block) != _shapes(reused[0]) for block in reused):

@@ -42,8 +42,8 @@ _SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "F64": torch.float64,
 }
-_TENSORS_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_TENSORS_FILE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors")  # used with fullmatch
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _KINDS: tuple[LayerKind, ...] = ("full", "sliding", "shared")
 
 
@@ -263,7 +263,7 @@ def _manifest_from_json(data: dict[str, Any]) -> Manifest:
     )
     if (manifest.next_logits_sha256 is not None) != (0 < manifest.aligned_tokens == len(tokens)):
         raise ValueError("next_token_logits must be present exactly when every token has stored KV")
-    if not _TENSORS_FILE.match(manifest.tensors_file):
+    if not _TENSORS_FILE.fullmatch(manifest.tensors_file):
         raise ValueError("tensors_file must be a plain *.safetensors file name beside the manifest")
     if manifest.chunk_size != manifest.fingerprint.schedule["chunk_size"]:
         raise ValueError("chunk_size differs from fingerprint.schedule.chunk_size")
@@ -277,7 +277,7 @@ def _manifest_from_json(data: dict[str, Any]) -> Manifest:
 
 def _block_from_json(entry: dict[str, Any]) -> BlockRef:
     key, digest = entry["key"], entry["sha256"]
-    if set(entry) != {"key", "sha256"} or not all(isinstance(h, str) and _HEX64.match(h) for h in (key, digest)):
+    if set(entry) != {"key", "sha256"} or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in (key, digest)):
         raise ValueError('a block entry is {"key": <hex>, "sha256": <hex>}')
     return BlockRef(Sha256Hex(key), Sha256Hex(digest))
 
@@ -431,12 +431,17 @@ def read_tensors_checked(path: Path, manifest: Manifest) -> dict[str, torch.Tens
 
 
 def read_block_checked(
-    path: Path, key: Sha256Hex, block: BlockRef | None, shapes: dict[str, list[int]] | None
+    path: Path,
+    key: Sha256Hex,
+    block: BlockRef | None,
+    shapes: dict[str, list[int]] | None,
+    dtype: str | None = None,
 ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
     """One block's tensors, memory-mapped, after checking their names, shapes and the SHA-256 of their bytes.
 
     `block` is the manifest's entry; None when no manifest names the block yet (a build reusing it): the bytes are
-    then checked against the digest the block file declares. `shapes` None accepts the file's own tensors.
+    then checked against the digest the block file declares. `shapes` and `dtype` (a torch dtype name) None accept
+    the file's own.
     Raises FormatError (missing, truncated, other tensors or shapes) or IntegrityError (bytes differ).
     """
     where = str(path)
@@ -448,6 +453,8 @@ def read_block_checked(
     hasher = hashlib.sha256()
     view = memoryview(data)
     for name in names:
+        if dtype is not None and infos[name].dtype != getattr(torch, dtype, None):
+            raise FormatError(f"{where}: tensor {name} is {infos[name].dtype}, the manifest says {dtype}")
         if shapes is not None and infos[name].shape != shapes[name]:
             raise FormatError(f"{where}: tensor {name} has shape {infos[name].shape}, the manifest says {shapes[name]}")
         hasher.update(view[infos[name].start : infos[name].end])

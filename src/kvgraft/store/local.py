@@ -10,17 +10,18 @@ blocks that `gc` removes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from kvgraft.errors import IntegrityError, KvgraftError, NotFoundError, StoreError
+from kvgraft.errors import FormatError, IntegrityError, KvgraftError, NotFoundError, StoreError
 from kvgraft.graft_format import (
     BLOCK_SUFFIX,
     MANIFEST_NAME,
@@ -40,7 +41,7 @@ from kvgraft.store.base import StoredGraft
 
 STORE_ENV = "KVGRAFT_STORE"
 DEFAULT_STORE_DIR = ".kvgraft"
-_HEX = re.compile(r"^[0-9a-f]{1,64}$")
+_HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
 GC_GRACE_S = 3600.0
 """Unreferenced blocks younger than this are kept by gc: a build may be about to name them."""
 
@@ -87,10 +88,24 @@ class LocalStore:
         return self.block_path(key).is_file()
 
     def read_block(
-        self, key: Sha256Hex, block: BlockRef | None = None, shapes: dict[str, list[int]] | None = None
+        self,
+        key: Sha256Hex,
+        block: BlockRef | None = None,
+        shapes: dict[str, list[int]] | None = None,
+        dtype: str | None = None,
     ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
         """A block's tensors (memory-mapped), checked against `block` or, when None, the digest the file declares."""
-        return read_block_checked(self.block_path(key), key, block, shapes)
+        return read_block_checked(self.block_path(key), key, block, shapes, dtype)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Exclusive lock of the store's blocks: puts naming blocks and removals of blocks never interleave."""
+        with (self.root / "lock").open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def put(
         self,
@@ -107,7 +122,14 @@ class LocalStore:
         if (final / MANIFEST_NAME).exists():
             return graft_id, False
         self._ensure_writable()
-        given = blocks or {}
+        with self._locked():
+            return self._put_locked(manifest, tensors, blocks or {})
+
+    def _put_locked(
+        self, manifest: Manifest, tensors: dict[str, torch.Tensor], given: dict[Sha256Hex, dict[str, torch.Tensor]]
+    ) -> tuple[Sha256Hex, bool]:
+        graft_id = manifest.id
+        final = self._grafts / graft_id
         for ref in manifest.blocks:
             self._put_block(ref, given.get(ref.key))
         try:
@@ -135,16 +157,25 @@ class LocalStore:
     def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> None:
         path = self.block_path(ref.key)
         if path.is_file():
-            stored, _ = self.read_block(ref.key)
-            if stored.sha256 != ref.sha256:
-                raise IntegrityError(
-                    f"block {ref.key[:12]} is stored with other bytes ({stored.sha256[:12]}, this graft has "
-                    f"{ref.sha256[:12]}): the same tokens under the same fingerprint gave different KV"
-                )
-            os.utime(path)  # fresh again, so a concurrent gc keeps it until our manifest names it
-            return
+            try:
+                stored, _ = self.read_block(ref.key)
+            except (IntegrityError, FormatError):
+                if tensors is None:
+                    raise
+                stored = None  # a damaged copy: ours, computed afresh, replaces it (repairing its other grafts)
+            if stored is not None:
+                if stored.sha256 != ref.sha256:
+                    raise IntegrityError(
+                        f"block {ref.key[:12]} is stored with other bytes ({stored.sha256[:12]}, this graft has "
+                        f"{ref.sha256[:12]}): the same tokens under the same fingerprint gave different KV"
+                    )
+                os.utime(path)  # fresh again, so gc's grace period keeps it
+                return
         if tensors is None:
-            raise StoreError(f"block {ref.key[:12]} is neither stored nor given; cannot store the graft")
+            raise StoreError(
+                f"block {ref.key[:12]} is neither stored nor given (removed while the graft was being built?); "
+                "build the graft again"
+            )
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix="block-", suffix=BLOCK_SUFFIX, dir=self.root / "tmp")
@@ -164,7 +195,7 @@ class LocalStore:
 
     def resolve(self, id_or_prefix: str) -> Sha256Hex:
         prefix = id_or_prefix.strip().lower()
-        if not _HEX.match(prefix):
+        if not _HEX.fullmatch(prefix):
             raise NotFoundError(f"{id_or_prefix!r} is not a graft id (hex digits expected)")
         if len(prefix) == 64:  # a full id: one stat, not a listing of the whole store
             if (self._grafts / prefix / MANIFEST_NAME).is_file():
@@ -191,7 +222,7 @@ class LocalStore:
         manifest = self.manifest(graft_id)
         tensors = read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
         shapes = expected_block_shapes(manifest)
-        blocks = [self.read_block(ref.key, ref, shapes)[1] for ref in manifest.blocks]
+        blocks = [self.read_block(ref.key, ref, shapes, manifest.dtype)[1] for ref in manifest.blocks]
         return StoredGraft(manifest, assemble(blocks) | tensors)
 
     def delete(self, graft_id: str) -> None:
@@ -208,7 +239,7 @@ class LocalStore:
         shutil.rmtree(doomed, ignore_errors=True)
         if blocks:
             # If another graft is unreadable, what it names is unknown: then every block is kept.
-            with contextlib.suppress(KvgraftError):
+            with self._locked(), contextlib.suppress(KvgraftError):
                 self._remove_blocks(blocks - self.referenced_blocks(), grace_s=0.0)
 
     def referenced_blocks(self) -> set[str]:
@@ -221,9 +252,20 @@ class LocalStore:
 
     def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
         """Remove blocks no graft names and older than `grace_s`; returns (blocks removed, bytes freed)."""
-        referenced = self.referenced_blocks()
-        unreferenced = {p.name.removesuffix(BLOCK_SUFFIX) for p in self.block_files()} - referenced
-        return self._remove_blocks(unreferenced, grace_s)
+        if not self.root.is_dir():
+            return 0, 0
+        self._ensure_writable()
+        with self._locked():
+            referenced = self.referenced_blocks()
+            unreferenced = {p.name.removesuffix(BLOCK_SUFFIX) for p in self.block_files()} - referenced
+            removed, freed = self._remove_blocks(unreferenced, grace_s)
+        # Staging litter of interrupted puts and deletes (a live put's staging is younger than the grace period).
+        now = time.time()
+        for entry in (self.root / "tmp").iterdir():
+            with contextlib.suppress(OSError):
+                if now - entry.lstat().st_mtime >= grace_s:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        return removed, freed
 
     def _remove_blocks(self, keys: Iterable[str], grace_s: float) -> tuple[int, int]:
         removed = freed = 0
