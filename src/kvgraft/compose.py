@@ -33,10 +33,7 @@ APPROXIMATE = "approximate"
 
 def is_chain(manifests: list[Manifest]) -> bool:
     """Whether each graft's tokens begin with all of the previous graft's tokens."""
-    return all(
-        len(b.tokens) >= len(a.tokens) and b.tokens[: len(a.tokens)] == a.tokens
-        for a, b in pairwise(manifests)
-    )
+    return all(len(b.tokens) >= len(a.tokens) and b.tokens[: len(a.tokens)] == a.tokens for a, b in pairwise(manifests))
 
 
 def chain_error(manifests: list[Manifest]) -> str:
