@@ -84,3 +84,14 @@ def test_a_prefetch_of_a_corrupted_graft_fails_when_it_is_asked_for(tmp_path: Pa
     with pytest.raises(IntegrityError, match="does not match its SHA-256"):
         cache.get(graft_id)
     assert cache.cached_ids() == []
+
+
+def test_engine_prefetch_needs_a_ram_tier(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "s")
+    graft_id = _engine(local).put(TEXT).id
+    assert _engine(local).prefetch(graft_id) is False
+    cache = CachedStore(local, max_bytes=1 << 30)
+    engine = _engine(cache)
+    assert engine.prefetch(graft_id) is True
+    restored = engine.restore(graft_id)  # waits for the prefetch rather than reading the graft twice
+    assert restored.manifest.id == graft_id and cache.misses == 0 and cache.hits == 1

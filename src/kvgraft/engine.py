@@ -324,6 +324,14 @@ class Engine:
         next_logits = next_logits.reshape(-1) if next_logits is not None else None
         return RestoredGraft(stored.manifest, cache, next_logits, env_diff, t1 - t0, time.perf_counter() - t1)
 
+    def prefetch(self, graft_id: str) -> bool:
+        """Start loading a graft likely to be asked for next (e.g. a retrieval's runner-up) into the RAM tier, in
+        the background. False when there is no RAM tier (`Engine.load(..., cache_bytes=N)`) or it is there already.
+        """
+        if not isinstance(self.store, CachedStore):
+            return False
+        return self.store.prefetch(graft_id) is not None
+
     def run_fresh(
         self,
         input_tokens: list[int],
