@@ -182,9 +182,9 @@ def test_build_jsonl_prints_a_list_in_file_order(store: Path, tmp_path: Path) ->
     assert graft_ids(store) == sorted(row["id"] for row in data)
     # Fields other than "text" become metadata.
     second = ok_json(cli("inspect", data[1]["id"], "--store", store, "--json"))
-    assert second["metadata"] == {"title": "second", "lang": "en"}
+    assert second["metadata"] == {"title": "second", "lang": "en", "summary": TEXT_48}  # summary: for retrieval
     first = ok_json(cli("inspect", data[0]["id"], "--store", store, "--json"))
-    assert first["metadata"] == {}
+    assert first["metadata"] == {"summary": TEXT_40}
 
 
 def test_build_file_and_ls(store: Path, tmp_path: Path) -> None:
