@@ -83,8 +83,12 @@ def test_index_entries_carry_summaries_and_search_finds_plain_text_grafts(
     blocks = _put_blocks(make_engine, items)
     plain = _put_plain(make_engine)
     engine = make_engine()
-    titled = engine.put("A note kept only by its title.", metadata={"title": "lighthouse keeper logbook"}).id
-    untitled = engine.put("Nothing to find this one by.").id
+    # Engine.build makes the text's start the summary unless the metadata sets one; an empty one opts out.
+    titled = engine.put(
+        "A note kept only by its title.", metadata={"title": "lighthouse keeper logbook", "summary": ""}
+    ).id
+    untitled = engine.put("Nothing to find this one by.", metadata={"summary": ""}).id
+    default = engine.put("A plain note with no metadata at all.").id
     long_summary = engine.put("Long.", metadata={"summary": "x" * (SUMMARY_CHARS + 500)}).id
 
     entries = load_index(store)
@@ -93,6 +97,7 @@ def test_index_entries_carry_summaries_and_search_finds_plain_text_grafts(
         ("title", "lighthouse keeper logbook")
     ]
     assert entries[untitled].retrieval_texts() == []
+    assert entries[default].retrieval_texts() == [("summary", "A plain note with no metadata at all.")]
     assert len(entries[long_summary].summary or "") == SUMMARY_CHARS
     assert [label for label, _ in entries[blocks[0]].retrieval_texts()] == [i.id for i in items[:PER_BLOCK]]
 
