@@ -6,7 +6,8 @@ Usage: python benchmarks/restore_vs_recompute.py [--sizes 512,1024,2048,4096,819
 The model has Llama-3.2-1B layer shapes (fp32, byte vocabulary, random weights). For each prefix length n the
 graft holds n tokens; the query adds 16 prompt tokens and asks for one new token. "Restored" time to first token
 counts reading the graft from disk with every tensor hash checked, rebuilding the cache and computing the
-prompt; "cold" first evicts the graft's file from the page cache (posix_fadvise DONTNEED), "warm" does not.
+prompt; "cold" first evicts the graft's files (its blocks) from the page cache (posix_fadvise DONTNEED), "warm"
+does not.
 "Recomputed" runs the whole n + 16 tokens fresh under the same chunk schedule. Both runs must produce the same
 first-token logits (compared by SHA-256), so every speed-up below is for an exact result.
 """
@@ -45,11 +46,17 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def _raw_read_and_hash(path: Path) -> float:
+def _raw_read_and_hash(paths: list[Path]) -> float:
     t0 = time.perf_counter()
-    data = path.read_bytes()
-    hashlib.sha256(data).hexdigest()
+    for path in paths:
+        hashlib.sha256(path.read_bytes()).hexdigest()
     return time.perf_counter() - t0
+
+
+def _graft_files(store: LocalStore, graft_id: str) -> list[Path]:
+    """The graft's own tensors file and every block file it names."""
+    manifest = store.manifest(graft_id)
+    return [Path(store.tensors_path(graft_id))] + [store.block_path(ref.key) for ref in manifest.blocks]
 
 
 def _text(n_tokens: int) -> str:
@@ -61,10 +68,12 @@ def _text(n_tokens: int) -> str:
 
 def measure(engine: Engine, n: int, repeats: int) -> dict[str, float | int | bool]:
     put = engine.put(_text(n))
-    path = Path(engine.store.tensors_path(put.id))
+    assert isinstance(engine.store, LocalStore)
+    paths = _graft_files(engine.store, put.id)
     cold, warm, results = [], [], []
     for _ in range(repeats):
-        _evict(path)
+        for path in paths:
+            _evict(path)
         result = engine.generate(PROMPT, graft_id=put.id, params=ONE_TOKEN)
         cold.append(result.timings["ttft_s"])
         results.append(result)
@@ -77,8 +86,8 @@ def measure(engine: Engine, n: int, repeats: int) -> dict[str, float | int | boo
         t0 = time.perf_counter()
         engine.store.get(put.id)
         loads.append(time.perf_counter() - t0)
-        raws.append(_raw_read_and_hash(path))
-    size = path.stat().st_size
+        raws.append(_raw_read_and_hash(paths))
+    size = sum(path.stat().st_size for path in paths)
     return {
         "tokens": n,
         "graft_bytes": size,
