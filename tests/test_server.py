@@ -24,7 +24,6 @@ from kvgraft.engine import Engine
 from kvgraft.receipt import parse_receipt
 from kvgraft.server import ServerConfig, create_app
 from kvgraft.server.background import serve_in_thread
-from kvgraft.server.generation import COMPOSITION_NOT_SUPPORTED
 from kvgraft.store import LocalStore
 from kvgraft.verify import verify_receipt
 
@@ -207,18 +206,42 @@ def test_default_retrieval_grafts_the_best_matching_graft(served: Served) -> Non
     assert kv(off)["grafts"] == [] and kv(off)["retrieval"] == []
 
 
-def test_several_grafts_are_refused_until_composition_lands(served: Served) -> None:
+def test_several_grafts_compose_exactly_as_a_chain_and_approximately_on_request(served: Served) -> None:
+    first = served.graft("Alice keeps the red key in the blue box. " * 2)
+    reply = served.http.post("/v1/grafts", json={"text": " Bob keeps the green key.", "after": first["id"]})
+    assert reply.status_code == 201, reply.text
+    chained = reply.json()
+    other = served.graft("Carol keeps the gold key under the mat. " * 2)
+
+    chain = served.client.completions.create(
+        model=MODEL, prompt=" Who?", max_tokens=4, extra_body={"kvgraft": {"grafts": [first["id"], chained["id"]]}}
+    )
+    info = kv(chain)
+    assert (info["exact"], info["approximate"]) == (True, False)
+    assert [g["id"] for g in info["grafts"]] == [first["id"], chained["id"]]
+    receipt = served.http.get(info["receipt_url"]).json()
+    assert receipt["composition"] == {"mode": "chain", "grafts": [first["id"], chained["id"]]}
+    assert verify_receipt(served.engine, parse_receipt(json.dumps(receipt), "served")).exact
+
     with pytest.raises(openai.BadRequestError) as caught:
         served.client.completions.create(
-            model=MODEL, prompt="x", max_tokens=2, extra_body={"kvgraft": {"grafts": ["ab", "cd"]}}
+            model=MODEL, prompt=" Who?", max_tokens=4, extra_body={"kvgraft": {"grafts": [first["id"], other["id"]]}}
         )
-    assert caught.value.status_code == 400
-    assert caught.value.body == {
-        "message": COMPOSITION_NOT_SUPPORTED,
-        "type": "invalid_request_error",
-        "param": "kvgraft.grafts",
-        "code": "composition_not_supported",
-    }
+    assert caught.value.body["code"] == "composition_refused" and caught.value.body["param"] == "kvgraft.grafts"
+    assert caught.value.body["message"].startswith(
+        f"graft {other['id'][:12]} does not begin with the tokens of graft {first['id'][:12]}"
+    )
+
+    approx = served.client.completions.create(
+        model=MODEL,
+        prompt=" Who?",
+        max_tokens=4,
+        extra_body={"kvgraft": {"grafts": [first["id"], other["id"]], "approximate": True}},
+    )
+    info = kv(approx)
+    assert (info["exact"], info["approximate"]) == (False, True)
+    receipt = served.http.get(info["receipt_url"]).json()
+    assert receipt["approximate"] is True and receipt["composition"]["mode"] == "approximate"
 
 
 def test_an_unknown_graft_is_404(served: Served) -> None:

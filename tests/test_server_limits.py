@@ -26,7 +26,6 @@ from kvgraft.cli import app as cli_app
 from kvgraft.engine import Engine
 from kvgraft.server import ServerConfig, create_app
 from kvgraft.server.background import RunningServer, serve_in_thread
-from kvgraft.server.generation import COMPOSITION_NOT_SUPPORTED
 from kvgraft.store import LocalStore
 
 from conftest import TEST_CHUNK, TEXT, cached_model
@@ -244,9 +243,9 @@ BAD_INPUT: list[tuple[str, str, Any, int, dict[str, Any]]] = [
     (
         "POST",
         "/v1/completions",
-        completion(kvgraft={"grafts": [GRAFT, GRAFT]}),
+        completion(kvgraft={"grafts": [GRAFT], "approximate": "yes"}),
         400,
-        error(COMPOSITION_NOT_SUPPORTED, "kvgraft.grafts", "composition_not_supported"),
+        error("kvgraft.approximate: Input should be a valid boolean", "kvgraft.approximate", "invalid_value"),
     ),
     (
         "POST",

@@ -11,11 +11,13 @@ canonical manifest without `id` and `created_at`, so the same content always get
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -468,11 +470,22 @@ def read_block_checked(
 def assemble(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-layer keys/values over all the blocks' positions, [1, kv_heads, blocks * C, head_dim], in order; named
     `layers.<i>.key` / `layers.<i>.value` (the names of a block). The result owns its memory (no file mapping)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name in blocks[0] if blocks else {}:
+    if not blocks:
+        return {}
+
+    def join(name: str) -> torch.Tensor:
         parts = [block[name] for block in blocks]
-        tensors[name] = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0].clone()
-    return tensors
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0].clone()
+
+    names = list(blocks[0])
+    # The copy is the costly part of a restore after hashing; layers are independent, so they are spread over
+    # threads (torch releases the GIL while copying).
+    return dict(zip(names, _assembly_pool().map(join, names), strict=True))
+
+
+@functools.cache
+def _assembly_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="kvgraft-assemble")
 
 
 def states_from(layers: list[LayerEntry], tensors: dict[str, torch.Tensor], length: int) -> list[LayerState]:

@@ -212,7 +212,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, retriever: Re
         body = await read_json(request, GraftCreateRequest, config.max_body_bytes)
 
         def put(engine: Engine) -> GraftCreated:
-            result = engine.put(body.text, body.metadata)
+            result = engine.put(body.text, body.metadata, after=body.after)
             state.library.invalidate()
             return GraftCreated(
                 id=result.id,

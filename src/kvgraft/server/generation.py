@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from kvgraft.engine import Engine, GenerationResult
-from kvgraft.errors import NotFoundError
+from kvgraft.errors import BadInputError, NotFoundError
 from kvgraft.receipt import SamplingParams
 from kvgraft.server.config import ServerConfig
 from kvgraft.server.errors import ApiError
@@ -32,8 +32,6 @@ from kvgraft.server.schemas import (
 )
 from kvgraft.server.state import ServerState
 from kvgraft.server.worker import CancelledJobError
-
-COMPOSITION_NOT_SUPPORTED = "composing several grafts is not supported yet; name one graft"
 
 
 @dataclass(frozen=True)
@@ -99,8 +97,6 @@ def make_job(
         raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
     options = body.kvgraft or KvgraftOptions()
     grafts = tuple(options.grafts or ())
-    if len(grafts) > 1:
-        raise ApiError(400, COMPOSITION_NOT_SUPPORTED, param="kvgraft.grafts", code="composition_not_supported")
     params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=body.temperature or 0.0,
@@ -108,7 +104,7 @@ def make_job(
         seed=body.seed or 0,
         stop=body.stops(),
     )
-    choice = GraftChoice(grafts, options.retrieve, options.min_score, options.min_match)
+    choice = GraftChoice(grafts, options.approximate, options.retrieve, options.min_score, options.min_match)
     return GenerationJob(prompt, messages, query, params, choice, options.include_receipt)
 
 
@@ -149,7 +145,20 @@ def generation(
                 if delta:
                     deltas(delta)
 
-        result = engine.generate(prompt, plan.graft_id, job.params, on_token=on_token)
+        if len(plan.named) > 1:
+            try:
+                result = engine.generate(
+                    prompt,
+                    None,
+                    job.params,
+                    on_token=on_token,
+                    graft_ids=[m.id for m in plan.named],
+                    approximate=job.choice.approximate,
+                )
+            except BadInputError as exc:  # not one chain, or cannot be re-positioned
+                raise ApiError(400, str(exc), param="kvgraft.grafts", code="composition_refused") from None
+        else:
+            result = engine.generate(prompt, plan.graft_id, job.params, on_token=on_token)
         receipt = state.receipts.add(result.receipt)
         record(state.metrics, result, plan, queued_s)
         tail = stream.finish(result.text) if stream is not None else ""
@@ -202,14 +211,15 @@ def kvgraft_info(outcome: Outcome, include_receipt: bool) -> KvgraftInfo:
     plan, result = outcome.plan, outcome.result
     grafts = []
     if plan.graft_id is not None and plan.manifest is not None and plan.source in ("request", "retrieval"):
-        grafts.append(
-            GraftUsed(
-                id=plan.graft_id,
-                source="request" if plan.source == "request" else "retrieval",
-                tokens=len(plan.manifest.tokens),
-                restored_tokens=plan.manifest.aligned_tokens,
+        for manifest in plan.named or (plan.manifest,):
+            grafts.append(
+                GraftUsed(
+                    id=manifest.id,
+                    source="request" if plan.source == "request" else "retrieval",
+                    tokens=len(manifest.tokens),
+                    restored_tokens=manifest.aligned_tokens,
+                )
             )
-        )
     receipt_id = str(outcome.receipt["id"])
     return KvgraftInfo(
         grafts=grafts,

@@ -28,6 +28,7 @@ class GraftChoice:
     """How a request wants grafting done (the `kvgraft` field of its body)."""
 
     grafts: tuple[str, ...] = ()
+    approximate: bool = False
     retrieve: bool = True
     min_score: float = 0.0
     min_match: float = 0.0
@@ -65,6 +66,8 @@ class GraftPlan:
     retrieval: list[Candidate] = field(default_factory=list)
     searched: bool = False
     """Whether the library was searched (so a bare run after a search is a retrieval miss)."""
+    named: tuple[Manifest, ...] = ()
+    """Every graft the request named, in order (several: a chain, or an approximate composition)."""
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,8 @@ def plan_grafts(
     it was skipped.
     """
     if choice.grafts:
-        named = engine.store.manifest(choice.grafts[0])
-        return GraftPlan(named.id, "request", named)
+        named = tuple(engine.store.manifest(g) for g in choice.grafts)
+        return GraftPlan(named[-1].id, "request", named[-1], named=named)
     if not choice.retrieve or not query.strip():
         return GraftPlan(None, None, None)
     snapshot = library()

@@ -22,7 +22,9 @@ class KvgraftOptions(_Request):
     """The `kvgraft` field of a completion request (the official client sends it with `extra_body`)."""
 
     grafts: list[NonEmpty] | None = None
-    """Graft ids or unique id prefixes to restore before the prompt (one for now)."""
+    """Graft ids or unique id prefixes to restore before the prompt, in order: exact when they form one chain."""
+    approximate: bool = False
+    """Allow grafts that are not one chain, re-positioned one after another (never exact; labelled so)."""
     retrieve: bool = True
     """With no graft named: graft the library's best graft for the prompt, if one is usable."""
     min_score: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
@@ -139,6 +141,8 @@ class GraftCreateRequest(_Request):
     text: str
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free JSON kept in the manifest; a `summary` or `title` is what retrieval finds the graft by."""
+    after: NonEmpty | None = None
+    """A graft (id or prefix) to continue: the new graft holds its tokens then `text`, one exact chain."""
 
 
 # --- responses ------------------------------------------------------------------------------------------------
