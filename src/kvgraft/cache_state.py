@@ -1,4 +1,4 @@
-"""Capture the per-layer state of a transformers `DynamicCache` and restore it into a new one.
+"""Record the KV a transformers `DynamicCache` receives, and restore per-layer state into a new cache.
 
 Three layer kinds exist in transformers 5.x caches built with `DynamicCache(config=...)`:
 - full (`DynamicLayer`): keys/values [batch, kv_heads, seq, head_dim] for every past token;
@@ -43,26 +43,6 @@ def layer_kind(layer: object) -> LayerKind:
     if isinstance(layer, DummyLayer):
         return "shared"
     raise FingerprintMismatchError(f"unsupported cache layer type {type(layer).__name__}")
-
-
-def capture(cache: DynamicCache) -> list[LayerState]:
-    """Snapshot a cache's layers (the tensors are shared with the cache, not copied)."""
-    states: list[LayerState] = []
-    for layer in cache.layers:
-        kind = layer_kind(layer)
-        if (
-            isinstance(layer, DynamicLayer)
-            and layer.keys is not None
-            and layer.values is not None
-            and layer.keys.numel()
-        ):
-            cumulative = (
-                layer.cumulative_length if isinstance(layer, DynamicSlidingWindowLayer) else layer.keys.shape[-2]
-            )
-            states.append(LayerState(kind, layer.keys.contiguous(), layer.values.contiguous(), int(cumulative)))
-        else:
-            states.append(LayerState(kind, None, None, cache.get_seq_length()))
-    return states
 
 
 def restore(states: list[LayerState], config: PretrainedConfig, device: torch.device | str = "cpu") -> DynamicCache:
@@ -124,7 +104,7 @@ def record_kv(cache: DynamicCache) -> Iterator[KvRecording]:
     cache itself keeps only the last window-1 positions.
     """
     recording = KvRecording([[] for _ in cache.layers])
-    originals: list[tuple[Any, Any]] = []
+    patched: list[DynamicLayer] = []
     for index, layer in enumerate(cache.layers):
         if not isinstance(layer, DynamicLayer):
             continue
@@ -142,11 +122,11 @@ def record_kv(cache: DynamicCache) -> Iterator[KvRecording]:
             return _original(key_states, value_states, *args, **kwargs)
 
         layer.update = update  # type: ignore[method-assign]
-        originals.append((layer, original))
+        patched.append(layer)
     try:
         yield recording
     finally:
-        for layer, _ in originals:
+        for layer in patched:
             del layer.update  # the instance attribute goes; the class method shows through again
 
 

@@ -467,6 +467,14 @@ def read_block_checked(
     return BlockRef(key, Sha256Hex(hasher.hexdigest())), _tensors_of(data, infos, names)
 
 
+def declared_block_digest(path: Path, key: Sha256Hex) -> str | None:
+    """The digest a block file declares in its header (its bytes are not read)."""
+    data = _map_file(path, str(path), f"block {key[:12]}")
+    _, metadata = _read_header(data, str(path))
+    digest = metadata.get(BLOCK_DIGEST_KEY)
+    return digest if isinstance(digest, str) else None
+
+
 def assemble(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-layer keys/values over all the blocks' positions, [1, kv_heads, blocks * C, head_dim], in order; named
     `layers.<i>.key` / `layers.<i>.value` (the names of a block). The result owns its memory (no file mapping)."""
