@@ -344,6 +344,60 @@ def test_verify_catches_a_forged_but_self_consistent_graft(store: Path) -> None:
     assert result.stderr.strip() == "not exact: differs in KV tensors (block 0 layers.000.key)"
 
 
+def test_build_check_stores_the_same_graft(store: Path, tmp_path: Path) -> None:
+    plain = ok_json(cli("build", "--text", TEXT_48, "--model", MODEL, "--store", store, "-C", CHUNK, "--json"))
+    other = tmp_path / "other"
+    checked = ok_json(
+        cli("build", "--text", TEXT_48, "--model", MODEL, "--store", other, "-C", CHUNK, "--check", "--json")
+    )
+    assert checked == plain
+    assert [p.read_bytes() for p in block_files(other)] == [p.read_bytes() for p in block_files(store)]
+
+
+def test_verify_all_and_a_sample(store: Path) -> None:
+    for text in (TEXT_48, TEXT_40, TEXT_6):
+        build(store, text)
+    data = ok_json(cli("verify", "--all", "--store", store, "--json"))
+    assert data == {"exact": True, "store_grafts": 3, "checked": 3, "failed": [], "skipped": {}}
+    assert ok(cli("verify", "--all", "--store", store)).stdout.strip() == (
+        "3 of 3 grafts checked: 3 exact, 0 not exact, 0 could not be checked"
+    )
+    sample = ok_json(cli("verify", "--all", "--sample", 2, "--seed", 1, "--store", store, "--json"))
+    assert (sample["checked"], sample["store_grafts"], sample["exact"]) == (2, 3, True)
+
+
+def test_verify_all_reports_a_forged_graft_and_one_it_cannot_check(store: Path) -> None:
+    good = build(store, TEXT_40)
+    gid = build(store, TEXT_48)
+    directory = graft_dir(store, gid)
+    block = block_path(store, gid, 0)
+    tensors = safetensors.torch.load_file(block)
+    tensors["layers.000.key"].view(torch.uint8).reshape(-1)[0] ^= 0x01
+    digest = block_digest(tensors)
+    block.write_bytes(block_file_bytes(tensors, digest))
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["blocks"][0]["sha256"] = digest
+    manifest["id"] = forged = graft_id(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    directory.rename(directory.parent / forged)
+    damaged = build(store, TEXT_48.upper())  # shares no block with the others
+    damaged_block = block_path(store, damaged, 2)
+    raw = bytearray(damaged_block.read_bytes())
+    raw[-1] ^= 0x01
+    damaged_block.write_bytes(bytes(raw))
+
+    result = cli("verify", "--all", "--store", store, "--json")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert (data["exact"], data["store_grafts"], data["checked"]) == (False, 3, 2)
+    assert [f["graft_id"] for f in data["failed"]] == [forged]
+    assert data["failed"][0]["mismatched"] == ["block 0 layers.000.key"]
+    assert list(data["skipped"]) == [damaged] and "SHA-256" in data["skipped"][damaged]
+    text = cli("verify", "--all", "--store", store).stdout
+    assert "2 of 3 grafts checked: 1 exact, 1 not exact, 1 could not be checked" in text
+    assert good not in text
+
+
 def test_rm_then_ls_is_empty(store: Path) -> None:
     keep = build(store, TEXT_40)
     gid = build(store, TEXT_48)
@@ -630,7 +684,11 @@ def test_verify_needs_an_id_or_a_receipt(store: Path, tmp_path: Path, extra: tup
     receipt = tmp_path / "receipt.json"
     receipt.write_text("{}")
     args = [str(receipt) if a == "RECEIPT" else "abc" if a == "ID" else a for a in extra]
-    fails(cli("verify", *args, "--store", store), "give a graft id or --receipt FILE (one of them)")
+    fails(cli("verify", *args, "--store", store), "give a graft id, --receipt FILE or --all (one of them)")
+
+
+def test_verify_sample_needs_all(store: Path) -> None:
+    fails(cli("verify", "abc", "--sample", 2, "--store", store), "--sample goes with --all")
 
 
 def test_generate_needs_a_prompt_or_a_graft(store: Path) -> None:

@@ -181,6 +181,12 @@ def build(
     store: StoreOpt = None,
     chunk_size: ChunkOpt = None,
     dtype: DtypeOpt = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check", help="Compute each new block twice; store nothing unless both agree in every bit (2x compute)."
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Build grafts from text and put them in the store (leading blocks already stored are reused, not computed)."""
@@ -201,7 +207,7 @@ def build(
     results = []
     with _progress("building", not as_json) as on_chunk:
         for body, metadata in items:
-            results.append(engine.put(body, metadata, on_chunk, after=after).to_json())
+            results.append(engine.put(body, metadata, on_chunk, after=after, check=check).to_json())
     payload: Any = results if jsonl is not None else results[0]
 
     def render() -> None:
@@ -330,6 +336,13 @@ def verify(
     receipt: Annotated[
         Path | None, typer.Option("--receipt", help="A receipt JSON to rerun fresh and compare.")
     ] = None,
+    every: Annotated[
+        bool, typer.Option("--all", help="Check every graft in the store (or --sample N of them), one by one.")
+    ] = False,
+    sample: Annotated[
+        int | None, typer.Option("--sample", min=1, help="With --all: only N grafts, drawn at random (--seed).")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="With --sample: which random sample.")] = 0,
     model: ModelOpt = None,
     store: StoreOpt = None,
     as_json: JsonOpt = False,
@@ -337,8 +350,13 @@ def verify(
     """Check a graft against a fresh recompute, or a receipt against a fresh rerun. Exit 0 only when exact."""
     from kvgraft.verify import verify_graft, verify_receipt
 
-    if (graft is None) == (receipt is None):
-        raise BadInputError("give a graft id or --receipt FILE (one of them)")
+    if sum((graft is not None, receipt is not None, every)) != 1:
+        raise BadInputError("give a graft id, --receipt FILE or --all (one of them)")
+    if sample is not None and not every:
+        raise BadInputError("--sample goes with --all")
+    if every:
+        _verify_store(model, store, sample, seed, as_json)
+        return
     if receipt is not None:
         parsed = parse_receipt(_read_text_file(receipt), str(receipt))
         engine = Engine.load(
@@ -378,6 +396,40 @@ def verify(
         raise typer.Exit(1)
 
 
+def _verify_store(model: str | None, store: str | None, sample: int | None, seed: int, as_json: bool) -> None:
+    """`verify --all`: every graft (or a sample), one engine per model, dtype and chunk size."""
+    from kvgraft.verify import choose_grafts, verify_grafts
+
+    graft_store = open_store(store)
+    chosen = choose_grafts(graft_store.ids(), sample, seed)
+    engines: dict[tuple[str, str, int], Engine] = {}
+
+    def engine_for(manifest: Any) -> Engine:
+        key = (model or manifest.model_name, manifest.dtype, manifest.chunk_size)
+        if key not in engines:
+            engines[key] = Engine.load(key[0], dtype=key[1], chunk_size=key[2], store=graft_store)
+        return engines[key]
+
+    with _progress("verify", not as_json) as on_graft:
+        result = verify_grafts(engine_for, graft_store, chosen, on_graft)
+    data = result.to_json()
+
+    def render() -> None:
+        out.print(
+            f"{len(result.checked)} of {result.store_grafts} grafts checked: {len(result.checked) - len(result.failed)}"
+            f" exact, {len(result.failed)} not exact, {len(result.skipped)} could not be checked"
+        )
+        for failure in result.failed:
+            where = ", ".join(failure.mismatched[:4]) or ("logits" if not failure.logits_equal else "environment")
+            out.print(f"  not exact: {failure.graft_id[:16]} ({where})", highlight=False)
+        for graft_id, why in result.skipped.items():
+            out.print(f"  not checked: {graft_id[:16]} ({escape(why)})", highlight=False)
+
+    _emit(as_json, data, render)
+    if not result.exact:
+        raise typer.Exit(1)
+
+
 @command()
 def rm(
     graft: Annotated[list[str], typer.Argument(help="Graft ids or prefixes.")],
@@ -412,6 +464,10 @@ def harvest(
     blocks: Annotated[
         bool, typer.Option("--blocks/--no-blocks", help="Also pack verified solutions into context blocks.")
     ] = True,
+    check: Annotated[
+        bool,
+        typer.Option("--check/--no-check", help="Compute each stored graft's blocks twice and refuse on a difference."),
+    ] = True,
     model: ModelOpt = None,
     store: StoreOpt = None,
     as_json: JsonOpt = False,
@@ -428,10 +484,10 @@ def harvest(
     with _progress("harvest", not as_json) as on_chunk:
         on_item = (lambda done, total: on_chunk(done, total)) if on_chunk else None
         if solutions is not None:
-            records = import_solutions(engine, items, on_item)
+            records = import_solutions(engine, items, on_item, check=check)
         else:
-            records = run_harvest(engine, items, attempts, budget, temperature, on_item=on_item)
-    block_ids = build_blocks(engine, records, items) if blocks else []
+            records = run_harvest(engine, items, attempts, budget, temperature, on_item=on_item, check=check)
+    block_ids = build_blocks(engine, records, items, check=check) if blocks else []
     summary = harvest_summary(records, block_ids, time.perf_counter() - started)
     summary["records"] = [r.to_json() for r in records]
 

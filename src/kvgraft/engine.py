@@ -15,9 +15,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft import __version__
-from kvgraft.cache_state import layer_kind, record_kv, restore
+from kvgraft.cache_state import LayerKind, layer_kind, record_kv, restore
 from kvgraft.compose import APPROXIMATE, CHAIN, chain_error, compose_approximate, is_chain
-from kvgraft.errors import BadInputError, FormatError, IntegrityError
+from kvgraft.errors import BadInputError, FormatError, IntegrityError, ReproducibilityError
 from kvgraft.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
 from kvgraft.generate import Generation, TokenCallback, decode
 from kvgraft.graft_format import (
@@ -34,6 +34,7 @@ from kvgraft.graft_format import (
 from kvgraft.hashing import Sha256Hex, sha256_bytes, sha256_tensor
 from kvgraft.models.loading import load_model, max_positions
 from kvgraft.receipt import Receipt, SamplingParams
+from kvgraft.reproducibility import configure as configure_reproducibility
 from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.cache import CachedStore
@@ -118,6 +119,30 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {name: list(tensor.shape) for name, tensor in tensors.items()}
 
 
+def _check_same(
+    first: list[dict[str, torch.Tensor]],
+    second: list[dict[str, torch.Tensor]],
+    logits: torch.Tensor | None,
+    logits_again: torch.Tensor | None,
+    offset: int,
+) -> None:
+    """Raise ReproducibilityError naming the first block (or the logits) whose two computations differ."""
+    for index, (a, b) in enumerate(zip(first, second, strict=True)):
+        differing = sorted(name for name in a if sha256_tensor(a[name]) != sha256_tensor(b[name]))
+        if differing:
+            raise ReproducibilityError(
+                f"block {offset + index} ({', '.join(differing[:4])}) differed between two computations of the "
+                "same tokens; nothing was stored (this machine's arithmetic is not reproducible right now)"
+            )
+    if (logits is None) != (logits_again is None) or (
+        logits is not None and logits_again is not None and sha256_tensor(logits) != sha256_tensor(logits_again)
+    ):
+        raise ReproducibilityError(
+            "the next-token logits differed between two computations of the same tokens; nothing was stored "
+            "(this machine's arithmetic is not reproducible right now)"
+        )
+
+
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -158,6 +183,7 @@ class Engine:
         cache_bytes: int | None = None,
     ) -> Engine:
         """`cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of the store."""
+        configure_reproducibility()  # done on import already; again in case threads were changed since
         model, tokenizer = load_model(spec, dtype=dtype, device=device)
         graft_store = store if store is not None and not isinstance(store, str) else open_store(store)
         if cache_bytes is not None:
@@ -199,6 +225,7 @@ class Engine:
         metadata: dict[str, Any] | None = None,
         on_chunk: ChunkCallback | None = None,
         after: str | None = None,
+        check: bool = False,
     ) -> BuiltGraft:
         """Compute a graft of `text`: KV of its C-aligned prefix under the schedule, plus all its token ids.
 
@@ -219,7 +246,7 @@ class Engine:
             tokens = list(parent.tokens) + self.encode_continuation(text)
             self._check_length(len(tokens), "the parent graft plus text")
             meta["after"] = parent.id
-        return self.build_tokens(tokens, sha256_bytes(text.encode()), meta, on_chunk)
+        return self.build_tokens(tokens, sha256_bytes(text.encode()), meta, on_chunk, check)
 
     def build_tokens(
         self,
@@ -227,7 +254,10 @@ class Engine:
         source_sha256: Sha256Hex,
         metadata: dict[str, Any],
         on_chunk: ChunkCallback | None = None,
+        check: bool = False,
     ) -> BuiltGraft:
+        """`check` computes every new block (and the next-token logits) a second time and raises
+        ReproducibilityError, storing nothing, if the two computations differ in any bit."""
         chunk = self.schedule.chunk_size
         aligned = self.schedule.aligned_length(len(tokens))
         keys = block_keys(self.fingerprint, tokens, chunk)
@@ -251,27 +281,21 @@ class Engine:
             reused.append(block)
         if any(_shapes(block) != _shapes(reused[0]) for block in reused):
             raise FormatError("stored blocks of this prefix hold different tensors; the store is inconsistent")
-        if reused:
-            layers = layer_entries(reused[0], kinds)
-            cache = restore(states_from(layers, assemble(reused), reuse * chunk), self.model.config, self.model.device)
-        else:
-            cache = DynamicCache(config=self.model.config)
-        with record_kv(cache) as recording:
-            if aligned > reuse * chunk:
-                logits = forward_tokens(
-                    self.model, cache, tokens[reuse * chunk : aligned], reuse * chunk, self.schedule, on_chunk
-                )
-        computed: dict[Sha256Hex, dict[str, torch.Tensor]] = {}
-        for offset, key in enumerate(keys[reuse:]):
-            block = block_tensors(recording, offset * chunk, (offset + 1) * chunk)
+        computed, logits = self._compute_blocks(tokens[reuse * chunk : aligned], reused, kinds, on_chunk)
+        if check:
+            again, logits_again = self._compute_blocks(tokens[reuse * chunk : aligned], reused, kinds, None)
+            _check_same(computed, again, logits, logits_again, reuse)
+        by_key: dict[Sha256Hex, dict[str, torch.Tensor]] = {}
+        for key, block in zip(keys[reuse:], computed, strict=True):
             refs.append(BlockRef(key, block_digest(block)))
-            computed[key] = block
-        first = reused[0] if reused else next(iter(computed.values()), None)
+            by_key[key] = block
+        first = reused[0] if reused else (computed[0] if computed else None)
         tensors: dict[str, torch.Tensor] = {}
         next_logits_sha = None
         if keep_logits:
-            tensors[NEXT_LOGITS_NAME] = logits.detach().contiguous().cpu()
-            next_logits_sha = sha256_tensor(tensors[NEXT_LOGITS_NAME])
+            assert logits is not None
+            tensors[NEXT_LOGITS_NAME] = logits
+            next_logits_sha = sha256_tensor(logits)
         manifest = Manifest(
             tokens=tokens,
             aligned_tokens=aligned,
@@ -287,7 +311,30 @@ class Engine:
             metadata=metadata,
             next_logits_sha256=next_logits_sha,
         )
-        return BuiltGraft(manifest, tensors, computed, reuse)
+        return BuiltGraft(manifest, tensors, by_key, reuse)
+
+    def _compute_blocks(
+        self,
+        tokens: list[int],
+        reused: list[dict[str, torch.Tensor]],
+        kinds: list[LayerKind],
+        on_chunk: ChunkCallback | None,
+    ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+        """The blocks of `tokens` (a whole number of chunks) after the `reused` stored blocks, each block's
+        tensors [1, kv_heads, C, head_dim], and the logits after the last token ([1, vocab]; None if no tokens)."""
+        chunk = self.schedule.chunk_size
+        start = len(reused) * chunk
+        if reused:
+            layers = layer_entries(reused[0], kinds)
+            cache = restore(states_from(layers, assemble(reused), start), self.model.config, self.model.device)
+        else:
+            cache = DynamicCache(config=self.model.config)
+        logits = None
+        with record_kv(cache) as recording:
+            if tokens:
+                logits = forward_tokens(self.model, cache, tokens, start, self.schedule, on_chunk)
+        blocks = [block_tensors(recording, i * chunk, (i + 1) * chunk) for i in range(len(tokens) // chunk)]
+        return blocks, None if logits is None else logits.detach().contiguous().cpu()
 
     def put(
         self,
@@ -295,8 +342,11 @@ class Engine:
         metadata: dict[str, Any] | None = None,
         on_chunk: ChunkCallback | None = None,
         after: str | None = None,
+        check: bool = False,
     ) -> PutResult:
-        built = self.build(text, metadata, on_chunk, after)
+        """Build and store. `check` computes each new block twice and stores nothing unless both agree in every
+        bit (see `build_tokens`): about twice the compute of the blocks built."""
+        built = self.build(text, metadata, on_chunk, after, check)
         graft_id, created = self.store.put(built.manifest, built.tensors, built.blocks)
         return PutResult(
             graft_id,

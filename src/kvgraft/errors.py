@@ -33,5 +33,9 @@ class EnvironmentMismatchError(KvgraftError):
     """Only the numeric environment differs (threads, CPU, library versions): exactness is not guaranteed."""
 
 
+class ReproducibilityError(KvgraftError):
+    """Two computations of the same tokens in this run gave different bits (`check` builds, store verification)."""
+
+
 class StoreError(KvgraftError):
     """The store cannot be read or written (missing permissions, not a directory)."""

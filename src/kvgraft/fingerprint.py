@@ -3,7 +3,9 @@
 A fingerprint has three parts:
 - `model`: weights, config, tokenizer, dtype and attention implementation. Any difference: refused.
 - `schedule`: the chunk size C. Any difference: refused (KV bytes depend on it).
-- `environment`: torch / transformers / MKL / oneDNN versions, CPU capability, thread count, device. These change
+- `environment`: torch / transformers / MKL / oneDNN versions, CPU capability, thread count, the reproducibility
+  settings in force (MKL's CNR mode, MKL's and OpenMP's dynamic threading: see kvgraft.reproducibility),
+  device. These change
   the last bits of floating-point results; a difference is refused unless the caller overrides it, and then
   the result is reported as not exact.
 """
@@ -20,6 +22,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvgraft import reproducibility
 from kvgraft.errors import EnvironmentMismatchError, FingerprintMismatchError
 from kvgraft.hashing import Sha256Hex, sha256_json, sha256_tensor
 
@@ -109,6 +112,7 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
         "onednn": _library_version(r"MKL-DNN (v[0-9.]+)"),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
+        **reproducibility.settings(),
         "device": device.type,
     }
     if device.type == "cuda":
@@ -143,9 +147,11 @@ def check_fingerprint(stored: Fingerprint, current: Fingerprint, allow_environme
         )
     env_diff = _differences(stored.environment, current.environment)
     if env_diff and not allow_environment_mismatch:
+        late = current.environment.get("mkl_cbwr") == "OFF" and stored.environment.get("mkl_cbwr") not in (None, "OFF")
+        hint = " (import kvgraft before torch computes anything, so that MKL starts in CNR mode)" if late else ""
         raise EnvironmentMismatchError(
             "numeric environment differs (graft vs this run: "
             + "; ".join(env_diff)
-            + "); pass --allow-env-mismatch to use it anyway, reported as not exact"
+            + f"){hint}; pass --allow-env-mismatch to use it anyway, reported as not exact"
         )
     return env_diff

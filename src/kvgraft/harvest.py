@@ -54,7 +54,9 @@ def replay_text(item: Item, solution: str) -> str:
     return prompt_of(item.problem) + reasoning
 
 
-def _store_replay(engine: Engine, item: Item, solution: str, cost: dict[str, Any], source: str) -> tuple[str, float]:
+def _store_replay(
+    engine: Engine, item: Item, solution: str, cost: dict[str, Any], source: str, check: bool
+) -> tuple[str, float]:
     started = time.perf_counter()
     metadata = {
         "kind": "replay",
@@ -66,7 +68,7 @@ def _store_replay(engine: Engine, item: Item, solution: str, cost: dict[str, Any
         "source": source,
         "cost": cost,
     }
-    put = engine.put(replay_text(item, solution), metadata=metadata)
+    put = engine.put(replay_text(item, solution), metadata=metadata, check=check)
     return put.id, time.perf_counter() - started
 
 
@@ -78,15 +80,18 @@ def harvest(
     temperature: float = 0.7,
     seed: int = 0,
     on_item: ItemCallback | None = None,
+    check: bool = True,
 ) -> list[HarvestRecord]:
     """Solve each item with up to `attempts` sampled tries of at most `budget` new tokens; store verified ones.
 
-    A problem that cannot be tried (longer than the model's positions) is recorded with its error, not raised."""
+    A problem that cannot be tried (longer than the model's positions) is recorded with its error, not raised.
+    `check` computes each stored graft's new blocks twice and refuses to store them unless the two agree in every
+    bit (`Engine.put(check=True)`): a verified solution is only worth keeping if its state is exact."""
     records = []
     for index, item in enumerate(items):
         started = time.perf_counter()
         try:
-            records.append(_solve(engine, item, attempts, budget, temperature, seed + 7919 * index))
+            records.append(_solve(engine, item, attempts, budget, temperature, seed + 7919 * index, check))
         except BadInputError as exc:
             wall = time.perf_counter() - started
             records.append(
@@ -97,7 +102,9 @@ def harvest(
     return records
 
 
-def _solve(engine: Engine, item: Item, attempts: int, budget: int, temperature: float, seed: int) -> HarvestRecord:
+def _solve(
+    engine: Engine, item: Item, attempts: int, budget: int, temperature: float, seed: int, check: bool
+) -> HarvestRecord:
     tokens, started, solution, tries = 0, time.perf_counter(), None, 0
     for attempt in range(attempts):
         tries = attempt + 1
@@ -111,13 +118,16 @@ def _solve(engine: Engine, item: Item, attempts: int, budget: int, temperature: 
     graft_id, build_s = None, 0.0
     if solution is not None:
         cost = {"attempts": tries, "tokens_generated": tokens, "wall_s": round(wall, 4)}
-        graft_id, build_s = _store_replay(engine, item, solution, cost, "model")
+        graft_id, build_s = _store_replay(engine, item, solution, cost, "model", check)
     verified = solution is not None
     return HarvestRecord(item.id, item.text_sha256, verified, tries, tokens, wall, build_s, graft_id, solution, "model")
 
 
-def import_solutions(engine: Engine, items: list[Item], on_item: ItemCallback | None = None) -> list[HarvestRecord]:
-    """Store the given worked solutions as replay grafts, each only if its final answer checks against the gold."""
+def import_solutions(
+    engine: Engine, items: list[Item], on_item: ItemCallback | None = None, check: bool = True
+) -> list[HarvestRecord]:
+    """Store the given worked solutions as replay grafts, each only if its final answer checks against the gold
+    (and, with `check`, only if its state computes to the same bits twice, as in `harvest`)."""
     records = []
     for index, item in enumerate(items):
         solution = item.solution
@@ -126,7 +136,7 @@ def import_solutions(engine: Engine, items: list[Item], on_item: ItemCallback | 
         if verified and solution:
             try:
                 cost = {"attempts": 0, "tokens_generated": 0}
-                graft_id, build_s = _store_replay(engine, item, solution, cost, "imported")
+                graft_id, build_s = _store_replay(engine, item, solution, cost, "imported", check)
             except BadInputError as exc:
                 verified, error = False, str(exc)
         records.append(
@@ -158,8 +168,11 @@ def _final_answer(solution: str) -> str | None:
     return None
 
 
-def build_blocks(engine: Engine, records: list[HarvestRecord], items: list[Item], reserve: int = 256) -> list[str]:
-    """Pack verified solutions into context blocks of at most (window - reserve) tokens; returns their ids."""
+def build_blocks(
+    engine: Engine, records: list[HarvestRecord], items: list[Item], reserve: int = 256, check: bool = True
+) -> list[str]:
+    """Pack verified solutions into context blocks of at most (window - reserve) tokens; returns their ids.
+    `check` as in `harvest`."""
     window = max_positions(engine.model) or 2048
     limit = window - reserve
     by_id = {item.id: item for item in items}
@@ -182,5 +195,5 @@ def build_blocks(engine: Engine, records: list[HarvestRecord], items: list[Item]
             continue
         text = "".join(prompt_of(item.problem) + solution + "\n" for item, solution in block)
         problems = [{"id": item.id, "problem_sha256": item.text_sha256, "text": item.problem} for item, _ in block]
-        ids.append(engine.put(text, metadata={"kind": "block", "problems": problems}).id)
+        ids.append(engine.put(text, metadata={"kind": "block", "problems": problems}, check=check).id)
     return ids

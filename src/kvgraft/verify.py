@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -10,11 +12,13 @@ from transformers import DynamicCache
 
 from kvgraft.cache_state import record_kv, restore
 from kvgraft.engine import Engine
+from kvgraft.errors import BadInputError, KvgraftError
 from kvgraft.fingerprint import check_fingerprint
-from kvgraft.graft_format import NEXT_LOGITS_NAME, block_digest, block_tensors, states_from
+from kvgraft.graft_format import NEXT_LOGITS_NAME, Manifest, block_digest, block_tensors, states_from
 from kvgraft.hashing import sha256_tensor
 from kvgraft.receipt import Receipt, SamplingParams
 from kvgraft.schedule import ChunkCallback, forward_tokens
+from kvgraft.store import GraftStore
 
 
 @dataclass
@@ -102,6 +106,62 @@ def verify_graft(engine: Engine, graft_id: str, on_chunk: ChunkCallback | None =
         mismatched=mismatched,
         environment_differences=env_diff,
     )
+
+
+@dataclass
+class StoreVerification:
+    """A verification pass over grafts of a store: every one chosen, checked or said why not."""
+
+    store_grafts: int
+    checked: list[GraftVerification] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """graft id -> why it could not be checked (its model cannot be loaded here, a damaged file)"""
+
+    @property
+    def failed(self) -> list[GraftVerification]:
+        return [result for result in self.checked if not result.exact]
+
+    @property
+    def exact(self) -> bool:
+        return not self.failed and not self.skipped
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "exact": self.exact,
+            "store_grafts": self.store_grafts,
+            "checked": len(self.checked),
+            "failed": [result.to_json() for result in self.failed],
+            "skipped": dict(self.skipped),
+        }
+
+
+def choose_grafts(graft_ids: Sequence[str], sample: int | None, seed: int = 0) -> list[str]:
+    """Every id, in order, or `sample` of them drawn at random (reproducibly, by `seed`)."""
+    if sample is None or sample >= len(graft_ids):
+        return list(graft_ids)
+    if sample < 1:
+        raise BadInputError(f"a sample needs at least one graft, got {sample}")
+    return sorted(random.Random(seed).sample(list(graft_ids), sample))
+
+
+def verify_grafts(
+    engine_for: Callable[[Manifest], Engine],
+    store: GraftStore,
+    graft_ids: list[str],
+    on_graft: Callable[[int, int], None] | None = None,
+) -> StoreVerification:
+    """`verify_graft` each graft with the engine `engine_for` gives for its manifest (loaded once per model, dtype
+    and chunk size by the caller). A graft that cannot be checked is recorded in `skipped`, never raised."""
+    result = StoreVerification(store_grafts=len(store.ids()))
+    for done, graft_id in enumerate(graft_ids, start=1):
+        try:
+            engine = engine_for(store.manifest(graft_id))
+            result.checked.append(verify_graft(engine, graft_id))
+        except KvgraftError as exc:
+            result.skipped[graft_id] = str(exc)
+        if on_graft is not None:
+            on_graft(done, len(graft_ids))
+    return result
 
 
 def verify_receipt(engine: Engine, receipt: Receipt, on_chunk: ChunkCallback | None = None) -> ReceiptVerification:

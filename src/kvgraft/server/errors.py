@@ -24,6 +24,7 @@ from kvgraft.errors import (
     IntegrityError,
     KvgraftError,
     NotFoundError,
+    ReproducibilityError,
     StoreError,
 )
 
@@ -93,6 +94,8 @@ def from_kvgraft(exc: KvgraftError, param: str | None = None) -> ApiError:
         return ApiError(500, message, param=param, code="graft_damaged")
     if isinstance(exc, StoreError):
         return ApiError(500, message, code="store_error")
+    if isinstance(exc, ReproducibilityError):
+        return ApiError(500, message, code="not_reproducible")
     return ApiError(500, message, code="kvgraft_error")
 
 
