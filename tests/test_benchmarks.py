@@ -80,3 +80,14 @@ def test_composition_at_ci_scale(tmp_path: Path) -> None:
     }
     assert demo["kl_first_max"] >= 0.0 and 0 <= demo["argmax_agree"] <= 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exactness_cost_at_ci_scale(tmp_path: Path) -> None:
+    data = _run("exactness_cost.py", "--tokens", "128", "--layers", "1", "--repeats", "1", cwd=tmp_path)
+    cnr, no_cnr = data["cnr"], data["no_cnr"]
+    if cnr["settings"]["mkl_cbwr"] != "none":
+        assert (cnr["settings"]["mkl_cbwr"], no_cnr["settings"]["mkl_cbwr"]) == ("AUTO,STRICT", "OFF")
+    # A check build stores the graft a plain build stores, and computes its blocks twice.
+    assert cnr["distinct_ids"] == no_cnr["distinct_ids"] == 1
+    for ratio in ("check_over_plain", "cnr_over_no_cnr", "verify_over_build"):  # figures, not asserted: timings
+        assert isinstance(data[ratio], float)

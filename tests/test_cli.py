@@ -132,6 +132,23 @@ def tensor_ranges(path: Path) -> dict[str, tuple[int, int]]:
     return {name: (base + info["data_offsets"][0], base + info["data_offsets"][1]) for name, info in header.items()}
 
 
+def forge_first_block(store: Path, gid: str) -> str:
+    """Change a bit of block 0 with its digest and rewrite the graft id to match: it loads, it does not recompute.
+    Returns the forged graft's id."""
+    directory = graft_dir(store, gid)
+    block = block_path(store, gid, 0)
+    tensors = safetensors.torch.load_file(block)
+    tensors["layers.000.key"].view(torch.uint8).reshape(-1)[0] ^= 0x01
+    digest = block_digest(tensors)
+    block.write_bytes(block_file_bytes(tensors, digest))
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["blocks"][0]["sha256"] = digest
+    manifest["id"] = forged = graft_id(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    directory.rename(directory.parent / forged)
+    return forged
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     return tmp_path / "store"
@@ -323,17 +340,7 @@ def test_verify_graft_is_exact(store: Path, text: str) -> None:
 def test_verify_catches_a_forged_but_self_consistent_graft(store: Path) -> None:
     """A block changed with its digest and the graft id rewritten to match: loading succeeds, recompute does not."""
     gid = build(store, TEXT_48)
-    directory = graft_dir(store, gid)
-    block = block_path(store, gid, 0)
-    tensors = safetensors.torch.load_file(block)
-    tensors["layers.000.key"].view(torch.uint8).reshape(-1)[0] ^= 0x01
-    digest = block_digest(tensors)
-    block.write_bytes(block_file_bytes(tensors, digest))
-    manifest = json.loads((directory / "manifest.json").read_text())
-    manifest["blocks"][0]["sha256"] = digest
-    manifest["id"] = forged = graft_id(manifest)
-    (directory / "manifest.json").write_text(json.dumps(manifest))
-    directory.rename(directory.parent / forged)
+    forged = forge_first_block(store, gid)
 
     result = cli("verify", forged, "--store", store, "--json")
     assert result.exception is None or isinstance(result.exception, SystemExit)
@@ -369,17 +376,7 @@ def test_verify_all_and_a_sample(store: Path) -> None:
 def test_verify_all_reports_a_forged_graft_and_one_it_cannot_check(store: Path) -> None:
     good = build(store, TEXT_40)
     gid = build(store, TEXT_48)
-    directory = graft_dir(store, gid)
-    block = block_path(store, gid, 0)
-    tensors = safetensors.torch.load_file(block)
-    tensors["layers.000.key"].view(torch.uint8).reshape(-1)[0] ^= 0x01
-    digest = block_digest(tensors)
-    block.write_bytes(block_file_bytes(tensors, digest))
-    manifest = json.loads((directory / "manifest.json").read_text())
-    manifest["blocks"][0]["sha256"] = digest
-    manifest["id"] = forged = graft_id(manifest)
-    (directory / "manifest.json").write_text(json.dumps(manifest))
-    directory.rename(directory.parent / forged)
+    forged = forge_first_block(store, gid)
     damaged = build(store, TEXT_48.upper())  # shares no block with the others
     damaged_block = block_path(store, damaged, 2)
     raw = bytearray(damaged_block.read_bytes())

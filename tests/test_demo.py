@@ -32,11 +32,11 @@ def test_demo_quick_runs_the_flywheel_and_every_receipt_verifies(tmp_path: Path)
             assert {"n", "correct", "accuracy", "ci95", "decode_tokens_mean"} <= set(cell)
             assert cell["ci95"][0] <= (cell["accuracy"] or 0) <= cell["ci95"][1]
     seen, unseen = rungs["bare"]["seen"]["n"], rungs["bare"]["unseen"]["n"]
-    assert seen + unseen == 10 and seen <= 6 and unseen >= 4
+    # The quick harvest verifies some problems (2 of its 10 on this model): the replay claim is always tested.
+    assert seen + unseen == 10 and 1 <= seen <= 6 and unseen >= 4
     # Replay restores the verified reasoning: on seen problems only the answer is decoded.
-    if seen:
-        assert rungs["grafted"]["seen"]["decode_tokens_mean"] * 8 <= rungs["bare"]["seen"]["decode_tokens_mean"]
-        assert rungs["grafted"]["seen"]["accuracy"] >= 0.8
+    assert rungs["grafted"]["seen"]["decode_tokens_mean"] * 8 <= rungs["bare"]["seen"]["decode_tokens_mean"]
+    assert rungs["grafted"]["seen"]["accuracy"] >= 0.8
     assert data["receipts"]["total"] >= seen and data["receipts"]["verified"] == data["receipts"]["total"]
     report = Path(data["report"])
     assert report.is_file() and (report.parent / "ladder.png").is_file() and (report.parent / "tokens.png").is_file()
