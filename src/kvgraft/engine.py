@@ -34,7 +34,6 @@ from kvgraft.graft_format import (
 from kvgraft.hashing import Sha256Hex, sha256_bytes, sha256_tensor
 from kvgraft.models.loading import load_model, max_positions
 from kvgraft.receipt import Receipt, SamplingParams
-from kvgraft.reproducibility import configure as configure_reproducibility
 from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.cache import CachedStore
@@ -121,22 +120,22 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
 
 def _check_same(
     first: list[dict[str, torch.Tensor]],
+    digests: list[Sha256Hex],
     second: list[dict[str, torch.Tensor]],
     logits: torch.Tensor | None,
     logits_again: torch.Tensor | None,
     offset: int,
 ) -> None:
-    """Raise ReproducibilityError naming the first block (or the logits) whose two computations differ."""
-    for index, (a, b) in enumerate(zip(first, second, strict=True)):
-        differing = sorted(name for name in a if sha256_tensor(a[name]) != sha256_tensor(b[name]))
-        if differing:
+    """Raise ReproducibilityError naming the first block (or the logits) whose two computations differ.
+    `digests` are the first computation's block digests (the build stores them)."""
+    for index, (a, b, digest) in enumerate(zip(first, second, digests, strict=True)):
+        if block_digest(b) != digest:
+            differing = sorted(name for name in a if sha256_tensor(a[name]) != sha256_tensor(b[name]))
             raise ReproducibilityError(
                 f"block {offset + index} ({', '.join(differing[:4])}) differed between two computations of the "
                 "same tokens; nothing was stored (this machine's arithmetic is not reproducible right now)"
             )
-    if (logits is None) != (logits_again is None) or (
-        logits is not None and logits_again is not None and sha256_tensor(logits) != sha256_tensor(logits_again)
-    ):
+    if logits is not None and logits_again is not None and sha256_tensor(logits) != sha256_tensor(logits_again):
         raise ReproducibilityError(
             "the next-token logits differed between two computations of the same tokens; nothing was stored "
             "(this machine's arithmetic is not reproducible right now)"
@@ -183,7 +182,6 @@ class Engine:
         cache_bytes: int | None = None,
     ) -> Engine:
         """`cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of the store."""
-        configure_reproducibility()  # done on import already; again in case threads were changed since
         model, tokenizer = load_model(spec, dtype=dtype, device=device)
         graft_store = store if store is not None and not isinstance(store, str) else open_store(store)
         if cache_bytes is not None:
@@ -282,13 +280,12 @@ class Engine:
         if any(_shapes(block) != _shapes(reused[0]) for block in reused):
             raise FormatError("stored blocks of this prefix hold different tensors; the store is inconsistent")
         computed, logits = self._compute_blocks(tokens[reuse * chunk : aligned], reused, kinds, on_chunk)
+        digests = [block_digest(block) for block in computed]
         if check:
             again, logits_again = self._compute_blocks(tokens[reuse * chunk : aligned], reused, kinds, None)
-            _check_same(computed, again, logits, logits_again, reuse)
-        by_key: dict[Sha256Hex, dict[str, torch.Tensor]] = {}
-        for key, block in zip(keys[reuse:], computed, strict=True):
-            refs.append(BlockRef(key, block_digest(block)))
-            by_key[key] = block
+            _check_same(computed, digests, again, logits, logits_again, reuse)
+        refs.extend(BlockRef(key, digest) for key, digest in zip(keys[reuse:], digests, strict=True))
+        by_key = dict(zip(keys[reuse:], computed, strict=True))
         first = reused[0] if reused else (computed[0] if computed else None)
         tensors: dict[str, torch.Tensor] = {}
         next_logits_sha = None
