@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from kvgraft.schedule import ChunkSchedule, forward_tokens
+from kvgraft.core.schedule import ChunkSchedule, forward_tokens
 
 from _shapes import llama_1b_like
 

@@ -46,7 +46,7 @@ def _texts(count: int, chars: int) -> list[str]:
 
 
 def _block_hashes(built: Any) -> list[dict[str, str]]:
-    from kvgraft.hashing import sha256_tensor
+    from kvgraft.core.hashing import sha256_tensor
 
     return [{name: sha256_tensor(t)[:16] for name, t in sorted(block.items())} for block in built.blocks.values()]
 
@@ -54,9 +54,9 @@ def _block_hashes(built: Any) -> list[dict[str, str]]:
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvgraft.engine import Engine
+    from kvgraft.engine.engine import Engine
+    from kvgraft.engine.verify import verify_graft
     from kvgraft.store import open_store
-    from kvgraft.verify import verify_graft
 
     texts = _texts(args.texts, args.chars)
     with tempfile.TemporaryDirectory() as scratch:

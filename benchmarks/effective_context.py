@@ -36,10 +36,10 @@ PREAMBLE_TOKENS = 1024
 
 def dedup(store_dir: Path, grafts: int) -> dict[str, Any]:
     """Grafts sharing a 1,024-token preamble: is the preamble stored once, and is a graft still exact?"""
-    from kvgraft.engine import Engine
+    from kvgraft.engine.engine import Engine
+    from kvgraft.engine.verify import verify_graft
+    from kvgraft.library.index import store_stats
     from kvgraft.store import LocalStore
-    from kvgraft.store.index import store_stats
-    from kvgraft.verify import verify_graft
 
     engine = Engine.load("random:gemma3", store=str(store_dir))
     # The byte tokenizer gives one token per byte after BOS: 1,023 bytes make a 1,024-token preamble.
@@ -72,8 +72,8 @@ def dedup(store_dir: Path, grafts: int) -> dict[str, Any]:
 
 
 def build(store_dir: Path, target_tokens: int) -> None:
-    from kvgraft.engine import Engine
-    from kvgraft.problems import prompt_of, training_problems
+    from kvgraft.engine.engine import Engine
+    from kvgraft.flywheel.problems import prompt_of, training_problems
 
     engine = Engine.load("demo", store=str(store_dir))
     have = sum(len(engine.store.manifest(i).tokens) for i in engine.store.ids())
@@ -100,13 +100,13 @@ def build(store_dir: Path, target_tokens: int) -> None:
 def serve(store_dir: Path, fraction: float, queries: int, cache_mb: int) -> dict[str, Any]:
     """Runs in its own process, so that its peak resident memory is its own."""
 
-    from kvgraft.engine import Engine
-    from kvgraft.library import Library
-    from kvgraft.problems import prompt_of
-    from kvgraft.receipt import SamplingParams
+    from kvgraft.engine.engine import Engine
+    from kvgraft.flywheel.problems import prompt_of
+    from kvgraft.format.receipt import SamplingParams
+    from kvgraft.library.index import load_index
+    from kvgraft.library.library import Library
     from kvgraft.store import LocalStore
     from kvgraft.store.cache import CachedStore
-    from kvgraft.store.index import load_index
 
     local = LocalStore(store_dir)
     ids = sorted(load_index(local))
@@ -186,8 +186,8 @@ def main() -> None:
                 check=True,
             )
             runs[label] = json.loads(child.stdout.strip().splitlines()[-1])
+        from kvgraft.library.index import store_stats
         from kvgraft.store import LocalStore
-        from kvgraft.store.index import store_stats
 
         stats = store_stats(LocalStore(store_dir))
         full = runs["100%"]

@@ -26,11 +26,11 @@ TEXT_SEED = "Exactness has a price; this measures it. "
 
 
 def _worker(tokens: int, layers: int, repeats: int) -> dict[str, Any]:
-    from kvgraft import reproducibility
-    from kvgraft.engine import Engine
+    from kvgraft.core import reproducibility
+    from kvgraft.engine.engine import Engine
+    from kvgraft.engine.verify import verify_graft
     from kvgraft.models.byte_tokenizer import build_byte_tokenizer
     from kvgraft.store import LocalStore
-    from kvgraft.verify import verify_graft
 
     from _shapes import llama_1b_like
 

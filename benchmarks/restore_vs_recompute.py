@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from kvgraft.engine import Engine
+from kvgraft.engine.engine import Engine
+from kvgraft.format.receipt import SamplingParams
 from kvgraft.models.byte_tokenizer import build_byte_tokenizer
-from kvgraft.receipt import SamplingParams
 from kvgraft.store import LocalStore
 
 from _shapes import llama_1b_like

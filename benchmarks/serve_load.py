@@ -75,7 +75,7 @@ def _pct(values: list[float], q: float) -> float:
 def make_block(window: int, reserve: int) -> tuple[str, list[dict[str, str]], list[str]]:
     """Worked problems packed into one block of at most (window - reserve) tokens (byte tokenizer: a token per
     byte, plus BOS); returns the text, its block metadata entries and the questions (their prompts)."""
-    from kvgraft.problems import prompt_of, training_problems
+    from kvgraft.flywheel.problems import prompt_of, training_problems
 
     entries, problems, questions, size = [], [], [], 1
     for problem in training_problems(7_000_001, 60):
@@ -91,7 +91,7 @@ def make_block(window: int, reserve: int) -> tuple[str, list[dict[str, str]], li
 
 @contextlib.contextmanager
 def local_server(model: str, api_key: str, max_queue: int) -> Iterator[str]:
-    from kvgraft.engine import Engine
+    from kvgraft.engine.engine import Engine
     from kvgraft.server import ServerConfig, create_app
     from kvgraft.server.background import serve_in_thread
 

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvgraft.engine import Engine
+from kvgraft.engine.engine import Engine
 from kvgraft.models.loading import load_model
 from kvgraft.store import LocalStore
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgraft.answers import answers_match, extract_answer, extract_integer_answer
+from kvgraft.flywheel.answers import answers_match, extract_answer, extract_integer_answer
 
 
 @pytest.mark.parametrize(

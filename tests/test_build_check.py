@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgraft.errors import ReproducibilityError
+from kvgraft.core.errors import ReproducibilityError
 from kvgraft.store import LocalStore
 
 from conftest import TEST_CHUNK, TEXT, EngineFactory

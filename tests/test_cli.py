@@ -22,9 +22,9 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
-from kvgraft.graft_format import block_digest, block_file_bytes, graft_id
-from kvgraft.hashing import sha256_token_ids
-from kvgraft.receipt import receipt_id
+from kvgraft.core.hashing import sha256_token_ids
+from kvgraft.format.graft_format import block_digest, block_file_bytes, graft_id
+from kvgraft.format.receipt import receipt_id
 
 MODEL = "random:llama"
 CHUNK = 16

@@ -12,12 +12,12 @@ from click.testing import Result
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
-from kvgraft.cache_state import record_kv
 from kvgraft.cli import app
-from kvgraft.compose import Rerotator
-from kvgraft.errors import BadInputError
-from kvgraft.receipt import SamplingParams, parse_receipt
-from kvgraft.verify import measure_composition, verify_receipt
+from kvgraft.core.cache_state import record_kv
+from kvgraft.core.errors import BadInputError
+from kvgraft.engine.compose import Rerotator
+from kvgraft.engine.verify import measure_composition, verify_receipt
+from kvgraft.format.receipt import SamplingParams, parse_receipt
 
 from conftest import TEST_CHUNK, EngineFactory
 

@@ -44,10 +44,10 @@ def test_demo_quick_runs_the_flywheel_and_every_receipt_verifies(tmp_path: Path)
 
 
 def test_harvest_with_the_demo_model_stores_only_verified_solutions(tmp_path: Path) -> None:
-    from kvgraft.answers import extract_integer_answer
-    from kvgraft.datasets import load_dataset
-    from kvgraft.engine import Engine
-    from kvgraft.harvest import harvest
+    from kvgraft.engine.engine import Engine
+    from kvgraft.flywheel.answers import extract_integer_answer
+    from kvgraft.flywheel.datasets import load_dataset
+    from kvgraft.flywheel.harvest import harvest
 
     engine = Engine.load("demo", store=str(tmp_path / "store"))
     items = load_dataset("demo")[:6]

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvgraft.hashing import sha256_tensor
+from kvgraft.core.hashing import sha256_tensor
+from kvgraft.core.schedule import forward_tokens
+from kvgraft.engine.verify import verify_graft, verify_receipt
+from kvgraft.format.receipt import SamplingParams
 from kvgraft.models.random_models import RANDOM_ARCHS
-from kvgraft.receipt import SamplingParams
-from kvgraft.schedule import forward_tokens
-from kvgraft.verify import verify_graft, verify_receipt
 
 from conftest import TEST_CHUNK, EngineFactory
 

@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from kvgraft.engine import Engine
-from kvgraft.errors import EnvironmentMismatchError, FingerprintMismatchError
-from kvgraft.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
-from kvgraft.receipt import SamplingParams
-from kvgraft.verify import verify_receipt
+from kvgraft.core.errors import EnvironmentMismatchError, FingerprintMismatchError
+from kvgraft.core.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
+from kvgraft.engine.engine import Engine
+from kvgraft.engine.verify import verify_receipt
+from kvgraft.format.receipt import SamplingParams
 
 from conftest import TEXT, EngineFactory, cached_model
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kvgraft.bench import Gate, run_ladder, summarize
-from kvgraft.datasets import Item, load_dataset
-from kvgraft.harvest import build_blocks, import_solutions, replay_text
-from kvgraft.library import Library, jaccard
-from kvgraft.problems import prompt_of
-from kvgraft.verify import verify_graft
+from kvgraft.engine.verify import verify_graft
+from kvgraft.flywheel.bench import Gate, run_ladder, summarize
+from kvgraft.flywheel.datasets import Item, load_dataset
+from kvgraft.flywheel.harvest import build_blocks, import_solutions, replay_text
+from kvgraft.flywheel.problems import prompt_of
+from kvgraft.library.library import Library, jaccard
 
 from conftest import EngineFactory
 

@@ -11,10 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgraft.errors import FormatError, IntegrityError
-from kvgraft.fingerprint import Fingerprint
-from kvgraft.graft_format import BlockRef, LayerEntry, Manifest, block_keys, graft_id, manifest_bytes, parse_manifest
-from kvgraft.hashing import Sha256Hex
+from kvgraft.core.errors import FormatError, IntegrityError
+from kvgraft.core.fingerprint import Fingerprint
+from kvgraft.core.hashing import Sha256Hex
+from kvgraft.format.graft_format import (
+    BlockRef,
+    LayerEntry,
+    Manifest,
+    block_keys,
+    graft_id,
+    manifest_bytes,
+    parse_manifest,
+)
 
 FAST = settings(max_examples=25, deadline=None)
 

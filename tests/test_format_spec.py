@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from kvgraft.engine import Engine
-from kvgraft.errors import FormatError, IntegrityError
-from kvgraft.fingerprint import Fingerprint
-from kvgraft.graft_format import (
+from kvgraft.core.errors import FormatError, IntegrityError
+from kvgraft.core.fingerprint import Fingerprint
+from kvgraft.core.hashing import LogitsChain, canonical_json, sha256_json, sha256_token_ids, tensor_bytes
+from kvgraft.engine.engine import Engine
+from kvgraft.format.graft_format import (
     MANIFEST_NAME,
     TENSORS_NAME,
     block_digest,
@@ -30,7 +31,6 @@ from kvgraft.graft_format import (
     fingerprint_digest,
     parse_manifest,
 )
-from kvgraft.hashing import LogitsChain, canonical_json, sha256_json, sha256_token_ids, tensor_bytes
 from kvgraft.store import LocalStore
 
 from conftest import TEST_CHUNK, cached_model

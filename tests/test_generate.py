@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvgraft.errors import BadInputError
-from kvgraft.receipt import SamplingParams
-from kvgraft.verify import verify_receipt
+from kvgraft.core.errors import BadInputError
+from kvgraft.engine.verify import verify_receipt
+from kvgraft.format.receipt import SamplingParams
 
 from conftest import TEST_CHUNK, EngineFactory
 

@@ -1,4 +1,4 @@
-"""Property tests of kvgraft.hashing: every hash is over a canonical byte encoding, the same in every process."""
+"""Property tests of kvgraft.core.hashing: every hash is over a canonical byte encoding, the same in every process."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgraft import hashing
-from kvgraft.hashing import (
+from kvgraft.core import hashing
+from kvgraft.core.hashing import (
     LogitsChain,
     canonical_json,
     sha256_json,
@@ -153,7 +153,7 @@ def test_known_answers() -> None:
 
 # --- determinism across processes -----------------------------------------------------------------------------
 
-# Run here (with kvgraft.hashing as `hashing`) and in fresh interpreters with other PYTHONHASHSEEDs. The dict is
+# Run here (with kvgraft.core.hashing as `hashing`) and in fresh interpreters with other PYTHONHASHSEEDs. The dict is
 # built from a set, so its insertion order (and a naive json.dumps of it) changes with the hash seed; its canonical
 # hash must not.
 _FIXED_VALUES = """

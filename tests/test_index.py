@@ -8,8 +8,8 @@ import shutil
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
+from kvgraft.library.index import INDEX_NAME, INDEX_VERSION, load_index, store_stats
 from kvgraft.store import LocalStore
-from kvgraft.store.index import INDEX_NAME, INDEX_VERSION, load_index, store_stats
 
 from conftest import TEXT, EngineFactory
 

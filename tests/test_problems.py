@@ -4,7 +4,7 @@ import random
 import subprocess
 import sys
 
-from kvgraft.problems import (
+from kvgraft.flywheel.problems import (
     EXAM_SIZE,
     exam_problems,
     near_miss,
@@ -15,7 +15,7 @@ from kvgraft.problems import (
 
 
 def test_generator_is_deterministic_across_processes() -> None:
-    code = "from kvgraft.problems import exam_problems; print([p.text_sha256 for p in exam_problems()])"
+    code = "from kvgraft.flywheel.problems import exam_problems; print([p.text_sha256 for p in exam_problems()])"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == str([p.text_sha256 for p in exam_problems()])
     assert training_problems(5, 50) == training_problems(5, 50)

@@ -1,4 +1,4 @@
-"""kvgraft.reproducibility: the settings are in force before torch computes, recorded, and enforced."""
+"""kvgraft.core.reproducibility: the settings are in force before torch computes, recorded, and enforced."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvgraft import reproducibility
-from kvgraft.errors import EnvironmentMismatchError
-from kvgraft.fingerprint import Fingerprint, check_fingerprint
+from kvgraft.core import reproducibility
+from kvgraft.core.errors import EnvironmentMismatchError
+from kvgraft.core.fingerprint import Fingerprint, check_fingerprint
 
 from conftest import TEXT, EngineFactory
 
@@ -26,7 +26,7 @@ def _python(code: str, **env: str) -> str:
 
 
 def test_importing_kvgraft_puts_the_settings_in_force() -> None:
-    settings = json.loads(_python("import kvgraft, json; print(json.dumps(kvgraft.reproducibility.settings()))"))
+    settings = json.loads(_python("import kvgraft, json; print(json.dumps(kvgraft.core.reproducibility.settings()))"))
     if settings["mkl_cbwr"] == "none":
         pytest.skip("this torch has no MKL")
     assert settings == {"mkl_cbwr": "AUTO,STRICT", "mkl_dynamic": False, "omp_dynamic": False}
@@ -34,7 +34,9 @@ def test_importing_kvgraft_puts_the_settings_in_force() -> None:
 
 def test_a_setting_the_user_made_is_kept_and_recorded() -> None:
     settings = json.loads(
-        _python("import kvgraft, json; print(json.dumps(kvgraft.reproducibility.settings()))", MKL_CBWR="COMPATIBLE")
+        _python(
+            "import kvgraft, json; print(json.dumps(kvgraft.core.reproducibility.settings()))", MKL_CBWR="COMPATIBLE"
+        )
     )
     if settings["mkl_cbwr"] == "none":
         pytest.skip("this torch has no MKL")
@@ -50,7 +52,7 @@ _LATE = """
 import json, torch
 torch.ones(4, 4) @ torch.ones(4, 4)  # MKL starts here, before kvgraft could set its CNR mode
 import kvgraft
-from kvgraft.engine import Engine
+from kvgraft.engine.engine import Engine
 print(json.dumps(Engine.load("random:llama").fingerprint.to_json()))
 """
 

@@ -13,12 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
-from kvgraft.datasets import Item, load_dataset
-from kvgraft.errors import BadInputError
-from kvgraft.library import Library
-from kvgraft.retrieval import BM25Retriever, DenseRetriever, make_retriever
+from kvgraft.core.errors import BadInputError
+from kvgraft.flywheel.datasets import Item, load_dataset
+from kvgraft.library.index import INDEX_NAME, INDEX_VERSION, SUMMARY_CHARS, load_index
+from kvgraft.library.library import Library
+from kvgraft.library.retrieval import BM25Retriever, DenseRetriever, make_retriever
 from kvgraft.store import LocalStore
-from kvgraft.store.index import INDEX_NAME, INDEX_VERSION, SUMMARY_CHARS, load_index
 
 from conftest import EngineFactory
 

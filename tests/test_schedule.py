@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgraft.errors import BadInputError
-from kvgraft.schedule import ChunkSchedule
+from kvgraft.core.errors import BadInputError
+from kvgraft.core.schedule import ChunkSchedule
 
 
 @given(start=st.integers(0, 500), length=st.integers(1, 500), chunk=st.integers(1, 80))

@@ -20,12 +20,12 @@ from openai import OpenAI
 from typer.testing import CliRunner
 
 from kvgraft.cli import app as cli_app
-from kvgraft.engine import Engine
-from kvgraft.receipt import parse_receipt
+from kvgraft.engine.engine import Engine
+from kvgraft.engine.verify import verify_receipt
+from kvgraft.format.receipt import parse_receipt
 from kvgraft.server import ServerConfig, create_app
 from kvgraft.server.background import serve_in_thread
 from kvgraft.store import LocalStore
-from kvgraft.verify import verify_receipt
 
 from conftest import TEST_CHUNK, TEXT, cached_model
 

@@ -23,7 +23,7 @@ from openai import OpenAI
 from typer.testing import CliRunner
 
 from kvgraft.cli import app as cli_app
-from kvgraft.engine import Engine
+from kvgraft.engine.engine import Engine
 from kvgraft.server import ServerConfig, create_app
 from kvgraft.server.background import RunningServer, serve_in_thread
 from kvgraft.store import LocalStore

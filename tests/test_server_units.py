@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgraft.engine import Engine
-from kvgraft.errors import BadInputError, NotFoundError
+from kvgraft.core.errors import BadInputError, NotFoundError
+from kvgraft.engine.engine import Engine
+from kvgraft.format.receipt import SamplingParams, parse_receipt
 from kvgraft.models.byte_tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
-from kvgraft.receipt import SamplingParams, parse_receipt
 from kvgraft.server.grafting import LibraryView
 from kvgraft.server.prompts import TextStream, chat_prompt
 from kvgraft.server.receipts import ReceiptBook
@@ -73,7 +73,7 @@ def test_stream_never_sends_a_stop_string_or_what_follows() -> None:
 )
 def test_streamed_deltas_always_add_up_to_the_final_text(data: list[int], stops: list[str], eos: bool) -> None:
     """Whatever bytes come (broken UTF-8 included), the deltas are a prefix of the final text and, with `finish`,
-    exactly it; the final text is what decoding cuts at the first stop, as kvgraft.generate does."""
+    exactly it; the final text is what decoding cuts at the first stop, as kvgraft.core.decode does."""
     tokens = tokens_of(bytes(data)) + ([EOS_ID] if eos else [])
     stream = TextStream(TOKENIZER, tuple(stops))
     sent = ""

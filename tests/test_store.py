@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgraft.errors import FormatError, IntegrityError, NotFoundError, StoreError
-from kvgraft.graft_format import block_digest, block_file_bytes
+from kvgraft.core.errors import FormatError, IntegrityError, NotFoundError, StoreError
+from kvgraft.format.graft_format import block_digest, block_file_bytes
+from kvgraft.library.index import store_stats
 from kvgraft.store import LocalStore, default_store_path, open_store
-from kvgraft.store.index import store_stats
 
 from conftest import TEST_CHUNK, TEXT, EngineFactory
 

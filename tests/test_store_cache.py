@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft.engine import Engine
-from kvgraft.errors import IntegrityError, NotFoundError
-from kvgraft.receipt import SamplingParams
+from kvgraft.core.errors import IntegrityError, NotFoundError
+from kvgraft.engine.engine import Engine
+from kvgraft.engine.verify import verify_receipt
+from kvgraft.format.receipt import SamplingParams
 from kvgraft.store import LocalStore
 from kvgraft.store.cache import CachedStore, stored_bytes
-from kvgraft.verify import verify_receipt
 
 from conftest import TEXT, cached_model
 

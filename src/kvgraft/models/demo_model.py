@@ -1,7 +1,7 @@
 """The demo model: a small Gemma 4 decoder kvgraft trains (scripts/train_demo_model.py) and ships.
 
 Its weights lie inside the package with their SHA-256, so `--model demo` loads offline and the bytes are
-checked before use. It reads and writes the problem family of `kvgraft.problems` with the byte tokenizer.
+checked before use. It reads and writes the problem family of `kvgraft.flywheel.problems` with the byte tokenizer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Gemma4TextConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvgraft.errors import IntegrityError, NotFoundError
+from kvgraft.core.errors import IntegrityError, NotFoundError
 from kvgraft.models.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvgraft.errors import BadInputError, NotFoundError
+from kvgraft.core.errors import BadInputError, NotFoundError
 from kvgraft.models.byte_tokenizer import build_byte_tokenizer
 from kvgraft.models.random_models import RANDOM_ARCHS, build_random_model, random_config
 

@@ -15,10 +15,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from kvgraft import __version__
-from kvgraft.engine import Engine
-from kvgraft.errors import KvgraftError, NotFoundError
-from kvgraft.retrieval import Retriever
+from kvgraft.core.errors import KvgraftError, NotFoundError
+from kvgraft.core.version import __version__
+from kvgraft.engine.engine import Engine
+from kvgraft.library.index import load_index
+from kvgraft.library.retrieval import Retriever
 from kvgraft.server.auth import require_read, require_write
 from kvgraft.server.body import read_json
 from kvgraft.server.config import ServerConfig
@@ -51,7 +52,6 @@ from kvgraft.server.schemas import (
 )
 from kvgraft.server.state import ServerState
 from kvgraft.server.streaming import stream
-from kvgraft.store.index import load_index
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None, retriever: Retriever | None = None) -> FastAPI:

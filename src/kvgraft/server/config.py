@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgraft.errors import BadInputError
+from kvgraft.core.errors import BadInputError
 
 API_KEY_ENV = "KVGRAFT_API_KEY"
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvgraft.errors import (
+from kvgraft.core.errors import (
     BadInputError,
     EnvironmentMismatchError,
     FingerprintMismatchError,

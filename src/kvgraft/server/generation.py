@@ -14,9 +14,9 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from kvgraft.engine import Engine, GenerationResult
-from kvgraft.errors import BadInputError, NotFoundError
-from kvgraft.receipt import SamplingParams
+from kvgraft.core.errors import BadInputError, NotFoundError
+from kvgraft.engine.engine import Engine, GenerationResult
+from kvgraft.format.receipt import SamplingParams
 from kvgraft.server.config import ServerConfig
 from kvgraft.server.errors import ApiError
 from kvgraft.server.grafting import GraftChoice, GraftPlan, plan_grafts

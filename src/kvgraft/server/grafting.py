@@ -12,13 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgraft.engine import Engine
-from kvgraft.errors import KvgraftError
-from kvgraft.fingerprint import check_fingerprint
-from kvgraft.graft_format import Manifest
-from kvgraft.library import Library, jaccard
+from kvgraft.core.errors import KvgraftError
+from kvgraft.core.fingerprint import check_fingerprint
+from kvgraft.engine.engine import Engine
+from kvgraft.format.graft_format import Manifest
+from kvgraft.library.library import Library, jaccard
+from kvgraft.library.retrieval import Retriever, make_retriever
 from kvgraft.models.loading import max_positions
-from kvgraft.retrieval import Retriever, make_retriever
 from kvgraft.store import GraftStore, LocalStore
 from kvgraft.store.cache import CachedStore
 

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from kvgraft.errors import BadInputError, KvgraftError, NotFoundError
-from kvgraft.receipt import Receipt, parse_receipt
+from kvgraft.core.errors import BadInputError, KvgraftError, NotFoundError
+from kvgraft.format.receipt import Receipt, parse_receipt
 
 _RECEIPT_ID = re.compile(r"^[0-9a-f]{64}$")
 log = logging.getLogger("uvicorn.error")

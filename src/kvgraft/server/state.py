@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvgraft.engine import Engine
-from kvgraft.errors import KvgraftError
-from kvgraft.hashing import sha256_json
-from kvgraft.retrieval import Retriever
+from kvgraft.core.errors import KvgraftError
+from kvgraft.core.hashing import sha256_json
+from kvgraft.engine.engine import Engine
+from kvgraft.library.retrieval import Retriever
 from kvgraft.server.config import ServerConfig
 from kvgraft.server.errors import INTERNAL, ApiError, from_kvgraft
 from kvgraft.server.grafting import LibraryView

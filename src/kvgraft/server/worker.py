@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from kvgraft.engine import Engine
+from kvgraft.engine.engine import Engine
 
 T = TypeVar("T")
 

@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from kvgraft.graft_format import BlockRef, Manifest
-from kvgraft.hashing import Sha256Hex
+from kvgraft.core.hashing import Sha256Hex
+from kvgraft.format.graft_format import BlockRef, Manifest
 
 
 @dataclass(frozen=True)

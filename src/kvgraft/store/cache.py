@@ -14,8 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvgraft.graft_format import BlockRef, Manifest
-from kvgraft.hashing import Sha256Hex
+from kvgraft.core.hashing import Sha256Hex
+from kvgraft.format.graft_format import BlockRef, Manifest
 from kvgraft.store.base import GraftStore, StoredGraft
 
 

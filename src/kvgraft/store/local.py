@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from kvgraft.errors import FormatError, IntegrityError, KvgraftError, NotFoundError, StoreError
-from kvgraft.graft_format import (
+from kvgraft.core.errors import FormatError, IntegrityError, KvgraftError, NotFoundError, StoreError
+from kvgraft.core.hashing import Sha256Hex
+from kvgraft.format.graft_format import (
     BLOCK_SUFFIX,
     MANIFEST_NAME,
     BlockRef,
@@ -37,7 +38,6 @@ from kvgraft.graft_format import (
     read_tensors_checked,
     tensors_file_bytes,
 )
-from kvgraft.hashing import Sha256Hex
 from kvgraft.store.base import StoredGraft
 
 STORE_ENV = "KVGRAFT_STORE"

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kvgraft.bench import RUNGS, SPLITS
+from kvgraft.flywheel.bench import RUNGS, SPLITS
 
 
 def _pct(value: float | None) -> str:

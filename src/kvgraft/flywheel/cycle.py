@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgraft.bench import Gate, run_ladder, summarize
-from kvgraft.datasets import Item, load_dataset
-from kvgraft.engine import Engine
-from kvgraft.harvest import HarvestRecord, build_blocks, harvest
-from kvgraft.library import Library
-from kvgraft.report import write_report
+from kvgraft.engine.engine import Engine
+from kvgraft.flywheel.bench import Gate, run_ladder, summarize
+from kvgraft.flywheel.datasets import Item, load_dataset
+from kvgraft.flywheel.harvest import HarvestRecord, build_blocks, harvest
+from kvgraft.flywheel.report import write_report
+from kvgraft.library.library import Library
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from kvgraft.cache_state import KvRecording, LayerKind, LayerState
-from kvgraft.errors import FormatError, IntegrityError
-from kvgraft.fingerprint import Fingerprint
-from kvgraft.hashing import Sha256Hex, sha256_json, tensor_bytes
+from kvgraft.core.cache_state import KvRecording, LayerKind, LayerState
+from kvgraft.core.errors import FormatError, IntegrityError
+from kvgraft.core.fingerprint import Fingerprint
+from kvgraft.core.hashing import Sha256Hex, sha256_json, tensor_bytes
 
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"

@@ -1,4 +1,4 @@
-"""The `kvgraft` command line: a thin layer over `kvgraft.engine`. Only this module prints or exits."""
+"""The `kvgraft` command line: a thin layer over `kvgraft.engine.engine`. Only this module prints or exits."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvgraft.engine import Engine
-from kvgraft.errors import BadInputError, KvgraftError
-from kvgraft.receipt import SamplingParams, parse_receipt
-from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback
+from kvgraft.core.errors import BadInputError, KvgraftError
+from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback
+from kvgraft.engine.engine import Engine
+from kvgraft.format.receipt import SamplingParams, parse_receipt
 from kvgraft.store import open_store
 
 P = ParamSpec("P")
@@ -348,7 +348,7 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """Check a graft against a fresh recompute, or a receipt against a fresh rerun. Exit 0 only when exact."""
-    from kvgraft.verify import verify_graft, verify_receipt
+    from kvgraft.engine.verify import verify_graft, verify_receipt
 
     if sum((graft is not None, receipt is not None, every)) != 1:
         raise BadInputError("give a graft id, --receipt FILE or --all (one of them)")
@@ -398,7 +398,7 @@ def verify(
 
 def _verify_store(model: str | None, store: str | None, sample: int | None, seed: int, as_json: bool) -> None:
     """`verify --all`: every graft (or a sample), one engine per model, dtype and chunk size."""
-    from kvgraft.verify import choose_grafts, verify_grafts
+    from kvgraft.engine.verify import choose_grafts, verify_grafts
 
     graft_store = open_store(store)
     chosen = choose_grafts(graft_store.ids(), sample, seed)
@@ -473,10 +473,10 @@ def harvest(
     as_json: JsonOpt = False,
 ) -> None:
     """Solve, verify, store: replay grafts of verified solutions (and context blocks), with their upstream cost."""
-    from kvgraft.datasets import load_dataset
-    from kvgraft.flywheel import harvest_summary
-    from kvgraft.harvest import build_blocks, import_solutions
-    from kvgraft.harvest import harvest as run_harvest
+    from kvgraft.flywheel.cycle import harvest_summary
+    from kvgraft.flywheel.datasets import load_dataset
+    from kvgraft.flywheel.harvest import build_blocks, import_solutions
+    from kvgraft.flywheel.harvest import harvest as run_harvest
 
     items = load_dataset(solutions or dataset)[:limit]
     engine = _engine(model or "demo", store)
@@ -531,11 +531,11 @@ def bench(
     as_json: JsonOpt = False,
 ) -> None:
     """The ladder: bare, grafted and gated accuracy with intervals, seen vs unseen, decode tokens, receipts."""
-    from kvgraft.bench import Gate, run_ladder, summarize
-    from kvgraft.datasets import load_dataset
-    from kvgraft.library import Library
-    from kvgraft.report import write_report
-    from kvgraft.retrieval import make_retriever
+    from kvgraft.flywheel.bench import Gate, run_ladder, summarize
+    from kvgraft.flywheel.datasets import load_dataset
+    from kvgraft.flywheel.report import write_report
+    from kvgraft.library.library import Library
+    from kvgraft.library.retrieval import make_retriever
 
     items = load_dataset(dataset)[:limit]
     retriever = make_retriever(dense_model)  # before the model: a bad path fails at once
@@ -561,7 +561,7 @@ app.add_typer(store_app, name="store")
 @store_app.command("stats")
 def store_stats_command(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     """Grafts, tokens, bytes on disk and the dedup ratio of the store (from its persistent index)."""
-    from kvgraft.store.index import store_stats
+    from kvgraft.library.index import store_stats
 
     try:
         stats = store_stats(open_store(store))
@@ -598,7 +598,7 @@ def store_gc_command(
 
 
 def _print_ladder(summary: dict[str, Any]) -> None:
-    from kvgraft.report import ladder_table
+    from kvgraft.flywheel.report import ladder_table
 
     table = Table(
         "rung",
@@ -639,7 +639,7 @@ def demo(
         if exactness:
             _exactness_demo(Path(store or tmp), store is None, as_json)
             return
-        from kvgraft.flywheel import QUICK, FlywheelPlan, run_flywheel
+        from kvgraft.flywheel.cycle import QUICK, FlywheelPlan, run_flywheel
 
         engine = Engine.load("demo", store=store or tmp)
         with _progress("demo", not as_json) as on_chunk:
@@ -652,7 +652,7 @@ def demo(
 
 
 def _exactness_demo(store: Path, temporary: bool, as_json: bool) -> None:
-    from kvgraft.demo import run_demo
+    from kvgraft.flywheel.demo import run_demo
 
     with _progress("building graft", not as_json) as on_chunk:
         report = run_demo(store, on_chunk=on_chunk)
@@ -715,7 +715,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API, grafting per request (see the README's Server section)."""
     import uvicorn
 
-    from kvgraft.retrieval import make_retriever
+    from kvgraft.library.retrieval import make_retriever
     from kvgraft.server import ServerConfig, create_app
 
     config = ServerConfig(

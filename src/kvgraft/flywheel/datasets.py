@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from kvgraft.errors import BadInputError
-from kvgraft.hashing import Sha256Hex, sha256_bytes
-from kvgraft.problems import exam_problems
+from kvgraft.core.errors import BadInputError
+from kvgraft.core.hashing import Sha256Hex, sha256_bytes
+from kvgraft.flywheel.problems import exam_problems
 
 BUNDLED = ("aime2025", "aime2024", "amc2023", "math500")
 DEMO_EXAM = "demo"

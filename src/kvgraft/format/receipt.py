@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgraft.errors import FormatError
-from kvgraft.fingerprint import Fingerprint
-from kvgraft.hashing import Sha256Hex, sha256_json, sha256_token_ids
+from kvgraft.core.errors import FormatError
+from kvgraft.core.fingerprint import Fingerprint
+from kvgraft.core.hashing import Sha256Hex, sha256_json, sha256_token_ids
 
 RECEIPT_VERSION = 2
 _ID_EXCLUDED = ("id", "created_at", "timings")

@@ -4,7 +4,7 @@ A fingerprint has three parts:
 - `model`: weights, config, tokenizer, dtype and attention implementation. Any difference: refused.
 - `schedule`: the chunk size C. Any difference: refused (KV bytes depend on it).
 - `environment`: torch / transformers / MKL / oneDNN versions, CPU capability, thread count, the reproducibility
-  settings in force (MKL's CNR mode, MKL's and OpenMP's dynamic threading: see kvgraft.reproducibility),
+  settings in force (MKL's CNR mode, MKL's and OpenMP's dynamic threading: see kvgraft.core.reproducibility),
   device. These change
   the last bits of floating-point results; a difference is refused unless the caller overrides it, and then
   the result is reported as not exact.
@@ -22,9 +22,9 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvgraft import reproducibility
-from kvgraft.errors import EnvironmentMismatchError, FingerprintMismatchError
-from kvgraft.hashing import Sha256Hex, sha256_json, sha256_tensor
+from kvgraft.core import reproducibility
+from kvgraft.core.errors import EnvironmentMismatchError, FingerprintMismatchError
+from kvgraft.core.hashing import Sha256Hex, sha256_json, sha256_tensor
 
 # Keys of config.to_dict() that name or describe a checkout rather than define the computation.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "_commit_hash"}

@@ -19,16 +19,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvgraft.answers import answers_match, extract_answer
-from kvgraft.datasets import Item
-from kvgraft.energy import EnergyMeter
-from kvgraft.engine import Engine, GenerationResult
-from kvgraft.errors import BadInputError
-from kvgraft.library import Library
-from kvgraft.problems import ANSWER_MARK, prompt_of
-from kvgraft.receipt import SamplingParams
-from kvgraft.stats import wilson_interval
-from kvgraft.verify import verify_receipt
+from kvgraft.core.errors import BadInputError
+from kvgraft.engine.engine import Engine, GenerationResult
+from kvgraft.engine.verify import verify_receipt
+from kvgraft.flywheel.answers import answers_match, extract_answer
+from kvgraft.flywheel.datasets import Item
+from kvgraft.flywheel.energy import EnergyMeter
+from kvgraft.flywheel.problems import ANSWER_MARK, prompt_of
+from kvgraft.flywheel.stats import wilson_interval
+from kvgraft.format.receipt import SamplingParams
+from kvgraft.library.library import Library
 
 RUNGS = ("bare", "grafted", "gated")
 SPLITS = ("seen", "unseen", "all")

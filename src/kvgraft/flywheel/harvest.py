@@ -15,14 +15,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvgraft.answers import answers_match, extract_answer
-from kvgraft.datasets import Item
-from kvgraft.engine import Engine
-from kvgraft.errors import BadInputError
-from kvgraft.hashing import sha256_token_ids
+from kvgraft.core.errors import BadInputError
+from kvgraft.core.hashing import sha256_token_ids
+from kvgraft.engine.engine import Engine
+from kvgraft.flywheel.answers import answers_match, extract_answer
+from kvgraft.flywheel.datasets import Item
+from kvgraft.flywheel.problems import ANSWER_MARK, prompt_of
+from kvgraft.format.receipt import SamplingParams
 from kvgraft.models.loading import max_positions
-from kvgraft.problems import ANSWER_MARK, prompt_of
-from kvgraft.receipt import SamplingParams
 
 STOP = ("\n",)
 ItemCallback = Callable[[int, int], None]

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from kvgraft.errors import FingerprintMismatchError
+from kvgraft.core.errors import FingerprintMismatchError
 
 LayerKind = Literal["full", "sliding", "shared"]
 

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvgraft.cache_state import record_kv, restore
-from kvgraft.engine import Engine
-from kvgraft.errors import BadInputError, KvgraftError
-from kvgraft.fingerprint import check_fingerprint
-from kvgraft.graft_format import NEXT_LOGITS_NAME, Manifest, block_digest, block_tensors, states_from
-from kvgraft.hashing import sha256_tensor
-from kvgraft.receipt import Receipt, SamplingParams
-from kvgraft.schedule import ChunkCallback, forward_tokens
+from kvgraft.core.cache_state import record_kv, restore
+from kvgraft.core.errors import BadInputError, KvgraftError
+from kvgraft.core.fingerprint import check_fingerprint
+from kvgraft.core.hashing import sha256_tensor
+from kvgraft.core.schedule import ChunkCallback, forward_tokens
+from kvgraft.engine.engine import Engine
+from kvgraft.format.graft_format import NEXT_LOGITS_NAME, Manifest, block_digest, block_tensors, states_from
+from kvgraft.format.receipt import Receipt, SamplingParams
 from kvgraft.store import GraftStore
 
 

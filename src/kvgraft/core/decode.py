@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvgraft.errors import BadInputError
-from kvgraft.hashing import LogitsChain, Sha256Hex
-from kvgraft.receipt import SamplingParams
-from kvgraft.schedule import ChunkCallback, ChunkSchedule, decode_step, forward_tokens
+from kvgraft.core.errors import BadInputError
+from kvgraft.core.hashing import LogitsChain, Sha256Hex
+from kvgraft.core.schedule import ChunkCallback, ChunkSchedule, decode_step, forward_tokens
+from kvgraft.format.receipt import SamplingParams
 
 TokenCallback = Callable[[int], None]
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import bm25s
 import numpy as np
 
-from kvgraft.errors import BadInputError
+from kvgraft.core.errors import BadInputError
 
 # Numbers matter in these problems, so single characters count as tokens and no stop words are dropped.
 TOKEN_PATTERN = r"(?u)\b\w+\b"

@@ -4,7 +4,7 @@ Grafts join the library through their metadata (written by harvest, or given to 
 - replay: {"kind": "replay", "problem_id", "problem_sha256", "prompt_tokens_sha256", "answer", "cost": {...}}
 - block:  {"kind": "block", "problems": [{"id", "problem_sha256", "text"}, ...]}
 - any graft: {"summary": ...} or {"title": ...}, what a graft that is not a block is found by.
-Texts are matched by a retriever (kvgraft.retrieval): BM25 by default, or a local sentence-transformers model.
+Texts are matched by a retriever (kvgraft.library.retrieval): BM25 by default, or a local sentence-transformers model.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgraft.hashing import sha256_token_ids
-from kvgraft.retrieval import Retriever, make_retriever
+from kvgraft.core.hashing import sha256_token_ids
+from kvgraft.library.index import IndexEntry, load_index
+from kvgraft.library.retrieval import Retriever, make_retriever
 from kvgraft.store import GraftStore, LocalStore
-from kvgraft.store.index import IndexEntry, load_index
 
 _WORD = re.compile(r"\w+")
 

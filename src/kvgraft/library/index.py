@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvgraft.graft_format import Manifest
+from kvgraft.format.graft_format import Manifest
 from kvgraft.store.local import LocalStore
 
 INDEX_NAME = "index.json"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from kvgraft.hashing import Sha256Hex, sha256_bytes
+from kvgraft.core.hashing import Sha256Hex, sha256_bytes
 
 EXAM_SEED = 20251130
 EXAM_SIZE = 30

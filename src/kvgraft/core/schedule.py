@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvgraft.errors import BadInputError
+from kvgraft.core.errors import BadInputError
 
 DEFAULT_CHUNK_SIZE = 64
 

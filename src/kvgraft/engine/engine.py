@@ -14,13 +14,15 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvgraft import __version__
-from kvgraft.cache_state import LayerKind, layer_kind, record_kv, restore
-from kvgraft.compose import APPROXIMATE, CHAIN, chain_error, compose_approximate, is_chain
-from kvgraft.errors import BadInputError, FormatError, IntegrityError, ReproducibilityError
-from kvgraft.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
-from kvgraft.generate import Generation, TokenCallback, decode
-from kvgraft.graft_format import (
+from kvgraft.core.cache_state import LayerKind, layer_kind, record_kv, restore
+from kvgraft.core.decode import Generation, TokenCallback, decode
+from kvgraft.core.errors import BadInputError, FormatError, IntegrityError, ReproducibilityError
+from kvgraft.core.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
+from kvgraft.core.hashing import Sha256Hex, sha256_bytes, sha256_tensor
+from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
+from kvgraft.core.version import __version__
+from kvgraft.engine.compose import APPROXIMATE, CHAIN, chain_error, compose_approximate, is_chain
+from kvgraft.format.graft_format import (
     NEXT_LOGITS_NAME,
     BlockRef,
     Manifest,
@@ -31,13 +33,11 @@ from kvgraft.graft_format import (
     layer_entries,
     states_from,
 )
-from kvgraft.hashing import Sha256Hex, sha256_bytes, sha256_tensor
+from kvgraft.format.receipt import Receipt, SamplingParams
+from kvgraft.library.index import SUMMARY_CHARS
 from kvgraft.models.loading import load_model, max_positions
-from kvgraft.receipt import Receipt, SamplingParams
-from kvgraft.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.cache import CachedStore
-from kvgraft.store.index import SUMMARY_CHARS
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ class Engine:
         (a common preamble, a parent) are read and restored instead of computed, which is exact by construction.
         """
         meta = dict(metadata or {})
-        # What retrieval finds the graft by, unless the caller says otherwise (see kvgraft.retrieval).
+        # What retrieval finds the graft by, unless the caller says otherwise (see kvgraft.library.retrieval).
         meta.setdefault("summary", text[:SUMMARY_CHARS])
         if after is None:
             tokens = self.check_text(text)
@@ -419,8 +419,8 @@ class Engine:
         """Continue `prompt` (after the grafts' text when grafts are given) and return text, timings and a receipt.
 
         Several grafts (`graft_ids`, after `graft_id` if both are given) are exact when they form one chain; other
-        lists are refused unless `approximate`, which re-positions them (see `kvgraft.compose`) and labels the result
-        and its receipt approximate.
+        lists are refused unless `approximate`, which re-positions them (see `kvgraft.engine.compose`) and labels the
+        result and its receipt approximate.
         """
         params = params or SamplingParams()
         started = time.perf_counter()

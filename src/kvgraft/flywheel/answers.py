@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 
-from kvgraft.problems import ANSWER_MARK
+from kvgraft.flywheel.problems import ANSWER_MARK
 
 _INTEGER = re.compile(r"^[+-]?\d+$")
 _MARKED = re.compile(re.escape(ANSWER_MARK) + r"\s*([+-]?\d+)")

@@ -21,10 +21,10 @@ from itertools import pairwise
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvgraft.cache_state import append_kv
-from kvgraft.errors import BadInputError
-from kvgraft.graft_format import Manifest, block_tensor_name
-from kvgraft.schedule import ChunkSchedule, forward_tokens
+from kvgraft.core.cache_state import append_kv
+from kvgraft.core.errors import BadInputError
+from kvgraft.core.schedule import ChunkSchedule, forward_tokens
+from kvgraft.format.graft_format import Manifest, block_tensor_name
 from kvgraft.store.base import GraftStore
 
 CHAIN = "chain"

@@ -1,0 +1,3 @@
+from kvgraft.cli.main import main
+
+main()
