@@ -34,9 +34,9 @@ _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
 
 def random_models(archs: list[str], pairs: int, store: Path) -> dict[str, Any]:
+    from kvgraft.core.sampling import SamplingParams
     from kvgraft.engine.engine import Engine
     from kvgraft.engine.verify import measure_composition
-    from kvgraft.format.receipt import SamplingParams
 
     rows = {}
     params = SamplingParams(max_new_tokens=8)
@@ -63,10 +63,10 @@ def _answer(text: str) -> int | None:
 
 
 def demo_exam(problems: int, store: Path) -> dict[str, Any]:
+    from kvgraft.core.sampling import SamplingParams
     from kvgraft.engine.engine import Engine
     from kvgraft.engine.verify import kl_divergence
     from kvgraft.flywheel.problems import exam_problems, prompt_of
-    from kvgraft.format.receipt import SamplingParams
 
     engine = Engine.load("demo", store=str(store / "demo"))
     exam = exam_problems()[:problems]

@@ -100,9 +100,9 @@ def build(store_dir: Path, target_tokens: int) -> None:
 def serve(store_dir: Path, fraction: float, queries: int, cache_mb: int) -> dict[str, Any]:
     """Runs in its own process, so that its peak resident memory is its own."""
 
+    from kvgraft.core.sampling import SamplingParams
     from kvgraft.engine.engine import Engine
     from kvgraft.flywheel.problems import prompt_of
-    from kvgraft.format.receipt import SamplingParams
     from kvgraft.library.index import load_index
     from kvgraft.library.library import Library
     from kvgraft.store import LocalStore

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
-from kvgraft.format.receipt import SamplingParams
 from kvgraft.models.byte_tokenizer import build_byte_tokenizer
 from kvgraft.store import LocalStore
 

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 from kvgraft.cli import app
 from kvgraft.core.cache_state import record_kv
 from kvgraft.core.errors import BadInputError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.compose import Rerotator
 from kvgraft.engine.verify import measure_composition, verify_receipt
-from kvgraft.format.receipt import SamplingParams, parse_receipt
+from kvgraft.format.receipt import parse_receipt
 
 from conftest import TEST_CHUNK, EngineFactory
 

@@ -11,9 +11,9 @@ import torch
 from transformers import DynamicCache
 
 from kvgraft.core.hashing import sha256_tensor
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import forward_tokens
 from kvgraft.engine.verify import verify_graft, verify_receipt
-from kvgraft.format.receipt import SamplingParams
 from kvgraft.models.random_models import RANDOM_ARCHS
 
 from conftest import TEST_CHUNK, EngineFactory

@@ -6,9 +6,9 @@ import pytest
 
 from kvgraft.core.errors import EnvironmentMismatchError, FingerprintMismatchError
 from kvgraft.core.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.engine.verify import verify_receipt
-from kvgraft.format.receipt import SamplingParams
 
 from conftest import TEXT, EngineFactory, cached_model
 
@@ -42,7 +42,9 @@ def test_environment_difference_is_refused_unless_allowed(make_engine: EngineFac
     put = make_engine().put(TEXT)
     strict = make_engine()
     _with_other_threads(strict)
-    with pytest.raises(EnvironmentMismatchError, match=r"numeric environment differs .*threads.*--allow-env-mismatch"):
+    with pytest.raises(
+        EnvironmentMismatchError, match=r"numeric environment differs .*threads.*exactness is not guaranteed"
+    ):
         strict.generate(" x", graft_id=put.id)
     lenient = make_engine(allow_environment_mismatch=True)
     _with_other_threads(lenient)

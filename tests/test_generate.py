@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from kvgraft.core.errors import BadInputError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.verify import verify_receipt
-from kvgraft.format.receipt import SamplingParams
 
 from conftest import TEST_CHUNK, EngineFactory
 

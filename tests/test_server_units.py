@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgraft.core.errors import BadInputError, NotFoundError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
-from kvgraft.format.receipt import SamplingParams, parse_receipt
+from kvgraft.format.receipt import parse_receipt
 from kvgraft.models.byte_tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
 from kvgraft.server.grafting import LibraryView
 from kvgraft.server.prompts import TextStream, chat_prompt

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from kvgraft.core.errors import IntegrityError, NotFoundError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.engine.verify import verify_receipt
-from kvgraft.format.receipt import SamplingParams
 from kvgraft.store import LocalStore
 from kvgraft.store.cache import CachedStore, stored_bytes
 

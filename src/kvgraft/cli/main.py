@@ -18,9 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvgraft.core.errors import BadInputError, KvgraftError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback
 from kvgraft.engine.engine import Engine
-from kvgraft.format.receipt import SamplingParams, parse_receipt
+from kvgraft.format.receipt import parse_receipt
 from kvgraft.store import open_store
 
 P = ParamSpec("P")

@@ -17,8 +17,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft.core.errors import BadInputError
 from kvgraft.core.hashing import LogitsChain, Sha256Hex
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import ChunkCallback, ChunkSchedule, decode_step, forward_tokens
-from kvgraft.format.receipt import SamplingParams
 
 TokenCallback = Callable[[int], None]
 

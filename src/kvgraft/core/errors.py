@@ -1,7 +1,8 @@
 """One error hierarchy for kvgraft.
 
 The core raises these; only the CLI and the server turn them into a message and an exit code or a status.
-Every message is one line that says what went wrong and what to do about it.
+Every message is one line that says what went wrong. Core messages never name a CLI flag or an HTTP field: the CLI
+and the server add their own hint (`hint_for` in each), since the same error has a different remedy in each.
 """
 
 
@@ -11,6 +12,10 @@ class KvgraftError(Exception):
 
 class BadInputError(KvgraftError):
     """The caller asked for something that cannot be done (empty text, too long, bad option)."""
+
+
+class NotAChainError(BadInputError):
+    """Several grafts were asked for as one exact context, but they do not form one chain."""
 
 
 class NotFoundError(KvgraftError):

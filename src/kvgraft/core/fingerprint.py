@@ -152,6 +152,6 @@ def check_fingerprint(stored: Fingerprint, current: Fingerprint, allow_environme
         raise EnvironmentMismatchError(
             "numeric environment differs (graft vs this run: "
             + "; ".join(env_diff)
-            + f"){hint}; pass --allow-env-mismatch to use it anyway, reported as not exact"
+            + f"){hint}; exactness is not guaranteed under another environment"
         )
     return env_diff

@@ -42,7 +42,7 @@ def chain_error(manifests: list[Manifest]) -> str:
         if b.tokens[: len(a.tokens)] != a.tokens:
             return (
                 f"graft {b.id[:12]} does not begin with the tokens of graft {a.id[:12]} (position {index + 1} in the "
-                "list), so the grafts are not one chain; build it with --after, or compose them approximately"
+                "list), so the grafts are not one chain"
             )
     return ""
 

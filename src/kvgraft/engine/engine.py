@@ -16,9 +16,10 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft.core.cache_state import LayerKind, layer_kind, record_kv, restore
 from kvgraft.core.decode import Generation, TokenCallback, decode
-from kvgraft.core.errors import BadInputError, FormatError, IntegrityError, ReproducibilityError
+from kvgraft.core.errors import BadInputError, FormatError, IntegrityError, NotAChainError, ReproducibilityError
 from kvgraft.core.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
 from kvgraft.core.hashing import Sha256Hex, sha256_bytes, sha256_tensor
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
 from kvgraft.core.version import __version__
 from kvgraft.engine.compose import APPROXIMATE, CHAIN, chain_error, compose_approximate, is_chain
@@ -33,7 +34,7 @@ from kvgraft.format.graft_format import (
     layer_entries,
     states_from,
 )
-from kvgraft.format.receipt import Receipt, SamplingParams
+from kvgraft.format.receipt import Receipt
 from kvgraft.library.index import SUMMARY_CHARS
 from kvgraft.models.loading import load_model, max_positions
 from kvgraft.store import GraftStore, open_store
@@ -445,7 +446,7 @@ class Engine:
                 if len(manifests) > 1:
                     composition = {"mode": CHAIN, "grafts": [m.id for m in manifests]}
             elif not approximate:
-                raise BadInputError(chain_error(manifests))
+                raise NotAChainError(chain_error(manifests))
             else:
                 env_diff = sorted(
                     {

@@ -14,10 +14,11 @@ from kvgraft.core.cache_state import record_kv, restore
 from kvgraft.core.errors import BadInputError, KvgraftError
 from kvgraft.core.fingerprint import check_fingerprint
 from kvgraft.core.hashing import sha256_tensor
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import ChunkCallback, forward_tokens
 from kvgraft.engine.engine import Engine
 from kvgraft.format.graft_format import NEXT_LOGITS_NAME, Manifest, block_digest, block_tensors, states_from
-from kvgraft.format.receipt import Receipt, SamplingParams
+from kvgraft.format.receipt import Receipt
 from kvgraft.store import GraftStore
 
 

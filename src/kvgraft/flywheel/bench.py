@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvgraft.core.errors import BadInputError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine, GenerationResult
 from kvgraft.engine.verify import verify_receipt
 from kvgraft.flywheel.answers import answers_match, extract_answer
@@ -27,7 +28,6 @@ from kvgraft.flywheel.datasets import Item
 from kvgraft.flywheel.energy import EnergyMeter
 from kvgraft.flywheel.problems import ANSWER_MARK, prompt_of
 from kvgraft.flywheel.stats import wilson_interval
-from kvgraft.format.receipt import SamplingParams
 from kvgraft.library.library import Library
 
 RUNGS = ("bare", "grafted", "gated")

@@ -8,10 +8,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import ChunkCallback
 from kvgraft.engine.engine import Engine
 from kvgraft.engine.verify import verify_graft, verify_receipt
-from kvgraft.format.receipt import SamplingParams
 
 DEMO_MODEL = "random:gemma4"
 DEMO_PROMPT = "\n\nIn one sentence, the rule of thumb:"

@@ -17,11 +17,11 @@ from typing import Any
 
 from kvgraft.core.errors import BadInputError
 from kvgraft.core.hashing import sha256_token_ids
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.flywheel.answers import answers_match, extract_answer
 from kvgraft.flywheel.datasets import Item
 from kvgraft.flywheel.problems import ANSWER_MARK, prompt_of
-from kvgraft.format.receipt import SamplingParams
 from kvgraft.models.loading import max_positions
 
 STOP = ("\n",)

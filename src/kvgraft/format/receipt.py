@@ -14,39 +14,10 @@ from typing import Any
 from kvgraft.core.errors import FormatError
 from kvgraft.core.fingerprint import Fingerprint
 from kvgraft.core.hashing import Sha256Hex, sha256_json, sha256_token_ids
+from kvgraft.core.sampling import SamplingParams
 
 RECEIPT_VERSION = 2
 _ID_EXCLUDED = ("id", "created_at", "timings")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy; otherwise softmax sampling with a torch.Generator seeded with `seed`."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": list(self.stop),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SamplingParams:
-        return cls(
-            max_new_tokens=int(data["max_new_tokens"]),
-            temperature=float(data["temperature"]),
-            top_p=float(data["top_p"]),
-            seed=int(data["seed"]),
-            stop=tuple(str(s) for s in data["stop"]),
-        )
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from kvgraft.core.errors import BadInputError, NotFoundError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine, GenerationResult
-from kvgraft.format.receipt import SamplingParams
 from kvgraft.server.config import ServerConfig
 from kvgraft.server.errors import ApiError
 from kvgraft.server.grafting import GraftChoice, GraftPlan, plan_grafts
