@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -28,21 +30,25 @@ def _run(script: str, *args: str, cwd: Path) -> dict:  # type: ignore[type-arg]
 
 def test_effective_context_at_ci_scale(tmp_path: Path) -> None:
     data = _run("effective_context.py", "--scale", "0.001", "--queries", "10", "--dedup-grafts", "3", cwd=tmp_path)
-    for key in (
-        "library_tokens",
-        "window",
-        "effective_ratio",
-        "disk_bytes",
-        "rss_peak_bytes",
-        "retrieval_ms",
-        "restore_ms",
-        "ttft_restore_over_recompute",
-    ):
-        assert key in data
-    assert set(data["rss_peak_bytes"]) == {"1%", "10%", "100%"}
-    assert data["library_tokens"] >= 2_854 and data["effective_ratio"] == data["library_tokens"] / 1024
+    # The library reaches its target (0.1% of the published 2,854,766 tokens) in whole blocks of under 1,024 tokens.
+    assert data["window"] == 1024 and 2_855 <= data["library_tokens"] < 2_855 + 1024
+    assert data["effective_ratio"] == data["library_tokens"] / 1024
+    assert data["grafts"] * 1024 > data["library_tokens"] > 0 and data["grafts"] >= 3
+    assert data["cache_budget_bytes"] == 16 << 20
+    assert data["disk_bytes"] > 0 and data["dedup_ratio"] == data["logical_bytes"] / data["disk_bytes"]
+    rss = data["rss_peak_bytes"]
+    assert set(rss) == {"1%", "10%", "100%"} and all(value > 0 for value in rss.values())
+    assert data["rss_100_over_1"] == rss["100%"] / rss["1%"]
+    for latency in (data["retrieval_ms"], data["restore_ms"]):
+        assert 0 < latency["p50"] <= latency["p99"]
+    assert data["ttft_restore_ms_p50"] > 0 and data["ttft_recompute_ms_p50"] > 0
+    assert data["ttft_restore_over_recompute"] == pytest.approx(
+        data["ttft_restore_ms_p50"] / data["ttft_recompute_ms_p50"]
+    )
     assert data["retrieval_hit_rate"] == 1.0
     dedup = data["dedup"]
+    assert (dedup["grafts"], dedup["preamble_tokens"]) == (3, 1024)
+    assert dedup["dedup_ratio"] == dedup["logical_bytes"] / dedup["disk_bytes"]
     # Three grafts share a 1,024-token preamble: its 16 blocks are on disk once, read back by the second and third.
     assert dedup["reused_blocks"] == [0, 16, 16] and dedup["preamble_blocks"] == 16
     assert dedup["block_files"] == dedup["blocks_named"] - 2 * 16
@@ -52,8 +58,15 @@ def test_effective_context_at_ci_scale(tmp_path: Path) -> None:
 
 def test_restore_vs_recompute_at_ci_scale(tmp_path: Path) -> None:
     data = _run("restore_vs_recompute.py", "--sizes", "64", "--layers", "1", "--repeats", "1", cwd=tmp_path)
+    assert data["layers"] == 1 and data["threads"] >= 1
     assert [row["tokens"] for row in data["rows"]] == [64]
-    assert data["rows"][0]["exact"] is True
+    row = data["rows"][0]
+    assert row["exact"] is True and row["graft_bytes"] > 0
+    # One repeat: each median is the one time measured, so the ratios follow from the times printed with them.
+    assert row["speedup_cold"] == pytest.approx(row["ttft_recompute_s"] / row["ttft_restore_cold_s"])
+    assert row["speedup_warm"] == pytest.approx(row["ttft_recompute_s"] / row["ttft_restore_warm_s"])
+    assert row["load_over_raw"] == pytest.approx(row["raw_read_sha256_gb_s"] / row["load_verify_gb_s"])
+    assert min(row["ttft_recompute_s"], row["ttft_restore_cold_s"], row["ttft_restore_warm_s"]) > 0
 
 
 def test_serve_load_at_ci_scale(tmp_path: Path) -> None:
@@ -70,15 +83,21 @@ def test_serve_load_at_ci_scale(tmp_path: Path) -> None:
 
 def test_composition_at_ci_scale(tmp_path: Path) -> None:
     data = _run("composition.py", "--archs", "llama", "--pairs", "2", "--problems", "2", cwd=tmp_path)
+    assert list(data["random"]) == ["llama"]
     row = data["random"]["llama"]
     assert row["pairs"] == 2 and 0.0 < row["kl_first_median"] <= row["kl_first_max"]
+    assert 0 <= row["continuations_equal"] <= row["pairs"] and 0 <= row["argmax_agree"] <= row["pairs"]
     demo = data["demo"]
     assert demo["problems"] == 2 and set(demo["correct"]) == {
         "own graft alone (exact)",
         "after another graft, exact recompute",
         "approximate",
     }
-    assert demo["kl_first_max"] >= 0.0 and 0 <= demo["argmax_agree"] <= 2
+    assert all(0 <= count <= 2 for count in demo["correct"].values())
+    # A problem's own replay graft holds its gold reasoning, and the demo model copies the answer from it 29 times
+    # in 30 (README), missing one of these two.
+    assert demo["correct"]["own graft alone (exact)"] >= 1
+    assert 0.0 <= demo["kl_first_median"] <= demo["kl_first_max"] and 0 <= demo["argmax_agree"] <= 2
     assert list(tmp_path.iterdir()) == []
 
 
@@ -89,5 +108,10 @@ def test_exactness_cost_at_ci_scale(tmp_path: Path) -> None:
         assert (cnr["settings"]["mkl_cbwr"], no_cnr["settings"]["mkl_cbwr"]) == ("AUTO,STRICT", "OFF")
     # A check build stores the graft a plain build stores, and computes its blocks twice.
     assert cnr["distinct_ids"] == no_cnr["distinct_ids"] == 1
-    for ratio in ("check_over_plain", "cnr_over_no_cnr", "verify_over_build"):  # figures, not asserted: timings
-        assert isinstance(data[ratio], float)
+    assert (data["tokens"], data["layers"]) == (128, 1)
+    for mode in (cnr, no_cnr):
+        assert min(mode["build_s"], mode["check_build_s"], mode["verify_s"]) > 0
+    # The ratios are timings, so only their consistency with the times printed beside them is asserted.
+    assert data["check_over_plain"] == cnr["check_build_s"] / cnr["build_s"]
+    assert data["cnr_over_no_cnr"] == cnr["build_s"] / no_cnr["build_s"]
+    assert data["verify_over_build"] == cnr["verify_s"] / cnr["build_s"]

@@ -22,9 +22,12 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
+from kvgraft.core import fingerprint
 from kvgraft.core.hashing import sha256_token_ids
-from kvgraft.format.graft_format import block_digest, block_file_bytes, graft_id
+from kvgraft.format.blocks import block_digest
+from kvgraft.format.manifest import graft_id
 from kvgraft.format.receipt import receipt_id
+from kvgraft.format.tensor_files import block_file_bytes
 
 MODEL = "random:llama"
 CHUNK = 16
@@ -533,6 +536,35 @@ def test_graft_refused_by_another_model(store: Path, tmp_path: Path) -> None:
     # Another chunk size is refused too.
     fails(cli("generate", "--graft", gid, "-C", 32, "-n", 2, "--store", store), "chunk_size 16 vs 32")
     assert_store_unchanged(store, [gid])
+
+
+def test_environment_mismatch_is_refused_with_the_flag_that_allows_it(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gid = build(store, TEXT_48)
+    stored = json.loads((graft_dir(store, gid) / "manifest.json").read_text())["fingerprint"]["environment"]
+    real = fingerprint.numeric_environment
+    monkeypatch.setattr(fingerprint, "numeric_environment", lambda device: real(device) | {"threads": 999})
+    problem = (
+        f"error: numeric environment differs (graft vs this run: threads {stored['threads']} vs 999); "
+        "exactness is not guaranteed under another environment"
+    )
+    line = fails(cli("generate", "--graft", gid, "-n", 2, "--store", store))
+    assert line == problem + "; pass --allow-env-mismatch to use it anyway, reported as not exact"
+    assert_store_unchanged(store, [gid])
+    allowed = ok_json(cli("generate", "--graft", gid, "-n", 2, "--allow-env-mismatch", "--store", store, "--json"))
+    assert allowed["exact"] is False
+
+
+def test_grafts_that_are_not_one_chain_are_refused_with_the_flags_that_help(store: Path) -> None:
+    a = build(store, TEXT_48)
+    b = build(store, TEXT_40)
+    line = fails(cli("generate", "-g", a, "-g", b, "-n", 2, "--store", store))
+    assert line == (
+        f"error: graft {b[:12]} does not begin with the tokens of graft {a[:12]} (position 1 in the list), so the "
+        "grafts are not one chain; build it with --after, or pass --approximate"
+    )
+    assert_store_unchanged(store, sorted([a, b]))
 
 
 @pytest.mark.parametrize("text", ["", "   \n\t  "], ids=["empty", "whitespace"])

@@ -18,7 +18,7 @@ from kvgraft.core.errors import BadInputError
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.compose import Rerotator
 from kvgraft.engine.verify import measure_composition, verify_receipt
-from kvgraft.format.receipt import parse_receipt
+from kvgraft.format.receipt import Composition, CompositionMode, parse_receipt
 
 from conftest import TEST_CHUNK, EngineFactory
 
@@ -67,7 +67,8 @@ def test_a_chain_of_grafts_is_exact_and_shares_its_blocks(make_engine: EngineFac
     assert manifest.tokens[: first.tokens] == engine.store.manifest(first.id).tokens
     result = engine.generate(" Who has a key?", graft_ids=[first.id, second.id], params=PARAMS)
     assert result.exact and not result.approximate
-    assert result.receipt.composition == {"mode": "chain", "grafts": [first.id, second.id]}
+    assert result.receipt.composition == Composition(mode=CompositionMode.CHAIN, grafts=(first.id, second.id))
+    assert result.to_json()["composition"] == {"mode": "chain", "grafts": [first.id, second.id]}
     fresh = engine.run_fresh(result.receipt.input_tokens, PARAMS)
     assert fresh.output_tokens == result.output_tokens
     assert fresh.logits_chain == result.receipt.logits_chain_sha256
@@ -87,12 +88,13 @@ def test_approximate_composition_is_labelled_and_its_error_measured(make_engine:
     a, b = engine.put(FIRST * 3), engine.put(SECOND * 3)  # 124 and 130 tokens: tails of 12 and 2 recomputed
     result = engine.generate(" Who has a key?", graft_ids=[a.id, b.id], params=PARAMS, approximate=True)
     assert result.approximate and not result.exact
-    composition = result.receipt.composition
-    assert composition is not None and composition["mode"] == "approximate"
-    assert composition["grafts"] == [a.id, b.id] and composition["offsets"] == [0, a.tokens]
+    assert result.receipt.composition == Composition(
+        mode=CompositionMode.APPROXIMATE, grafts=(a.id, b.id), offsets=(0, a.tokens)
+    )
     # The receipt says so in its JSON, survives a round trip, and a fresh rerun does not call it exact.
     data = result.receipt.to_json()
     assert (data["approximate"], data["exact"]) == (True, False)
+    assert data["composition"] == {"mode": "approximate", "grafts": [a.id, b.id], "offsets": [0, a.tokens]}
     assert parse_receipt(json.dumps(data), "test") == result.receipt
     assert not verify_receipt(engine, result.receipt).logits_equal
     # Against the exact recompute of the same tokens: finite, small-ish KL, reported rather than hidden.
@@ -100,6 +102,20 @@ def test_approximate_composition_is_labelled_and_its_error_measured(make_engine:
     assert error.approximate_tokens == result.output_tokens
     assert math.isfinite(error.kl_first) and error.kl_first >= 0.0
     assert error.kl_first > 0.0  # the second graft never saw the first: not the exact state
+
+
+def test_composition_json_round_trips_and_is_checked() -> None:
+    approximate = {"mode": "approximate", "grafts": ["a", "b"], "offsets": [0, 7]}
+    read = Composition.from_json(approximate)
+    assert read == Composition(mode=CompositionMode.APPROXIMATE, grafts=("a", "b"), offsets=(0, 7))
+    assert read is not None and read.to_json() == approximate and read.approximate
+    chain = Composition.from_json({"mode": "chain", "grafts": ["a", "b"]})
+    assert chain is not None and chain.to_json() == {"mode": "chain", "grafts": ["a", "b"]} and not chain.approximate
+    assert Composition.from_json(None) is None
+    with pytest.raises(ValueError, match="an object with mode 'chain' or 'approximate'"):
+        Composition.from_json({"mode": "stacked", "grafts": ["a", "b"]})
+    with pytest.raises(ValueError, match="must list at least two grafts"):
+        Composition.from_json({"mode": "chain", "grafts": ["a"]})
 
 
 def test_models_without_rope_cannot_be_repositioned(make_engine: EngineFactory) -> None:

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
+from kvgraft.core.hashing import sha256_token_ids
 from kvgraft.engine.verify import verify_graft
-from kvgraft.flywheel.bench import Gate, run_ladder, summarize
+from kvgraft.flywheel.bench import (
+    Answer,
+    AnswerPath,
+    Gate,
+    LadderFacts,
+    ProblemResult,
+    ReceiptTally,
+    Rung,
+    Split,
+    Upstream,
+    run_ladder,
+    summarize,
+)
 from kvgraft.flywheel.datasets import Item, load_dataset
-from kvgraft.flywheel.harvest import build_blocks, import_solutions, replay_text
+from kvgraft.flywheel.energy import EnergyReading
+from kvgraft.flywheel.harvest import HarvestRecord, HarvestSummary, build_blocks, import_solutions, replay_text
 from kvgraft.flywheel.problems import prompt_of
+from kvgraft.flywheel.stats import wilson_interval
+from kvgraft.format.metadata import GraftKind, GraftMetadata, HarvestCost, SolutionSource
 from kvgraft.library.library import Library, jaccard
 
 from conftest import EngineFactory
@@ -26,7 +46,21 @@ def test_import_stores_only_verified_solutions(make_engine: EngineFactory) -> No
     stored = {engine.store.manifest(g).metadata["problem_id"] for g in engine.store.ids()}
     assert stored == {item.id for item in items}
     manifest = engine.store.manifest(records[0].graft_id or "")
-    assert manifest.metadata["kind"] == "replay" and manifest.metadata["answer"] == items[0].answer
+    # The metadata a replay graft's id hashes: exactly these keys and values (graft ids must never change).
+    assert manifest.metadata == {
+        "kind": "replay",
+        "problem_id": items[0].id,
+        "problem_sha256": items[0].text_sha256,
+        "prompt_tokens_sha256": sha256_token_ids(engine.encode_context(prompt_of(items[0].problem))),
+        "answer": items[0].answer,
+        "solution": items[0].solution,
+        "source": "imported",
+        "cost": {"attempts": 0, "tokens_generated": 0},
+        "summary": replay_text(items[0], items[0].solution or ""),
+    }
+    read = GraftMetadata.read(manifest.metadata)
+    assert read.kind is GraftKind.REPLAY and read.cost == HarvestCost(attempts=0, tokens_generated=0)
+    assert [(p.id, p.problem_sha256, p.text) for p in read.problems] == [(items[0].id, items[0].text_sha256, None)]
     assert engine.tokenizer.decode(manifest.tokens, skip_special_tokens=True) == replay_text(
         items[0], items[0].solution or ""
     )
@@ -39,6 +73,9 @@ def test_library_finds_replays_by_prompt_hash_and_blocks_by_bm25(make_engine: En
     records = import_solutions(engine, items[:5])
     blocks = build_blocks(engine, records, items)
     assert len(blocks) == 1
+    problems = [{"id": i.id, "problem_sha256": i.text_sha256, "text": i.problem} for i in items[:5]]
+    block_text = "".join(prompt_of(i.problem) + (i.solution or "") + "\n" for i in items[:5])
+    assert engine.store.manifest(blocks[0]).metadata == {"kind": "block", "problems": problems, "summary": block_text}
     library = Library.from_store(engine.store)
     for item, record in zip(items[:5], records, strict=True):
         assert library.find_replay(engine.encode_context(prompt_of(item.problem))) == record.graft_id
@@ -59,10 +96,108 @@ def test_ladder_tags_seen_and_unseen_and_verifies_receipts(make_engine: EngineFa
     build_blocks(engine, records, items)
     results, facts = run_ladder(engine, items, Library.from_store(engine.store), budget=8)
     assert [r.seen for r in results] == [True, True, True, False, False, False]
-    assert [r.grafted.path for r in results] == ["replay"] * 3 + ["block"] * 3
+    assert [r.grafted.path for r in results] == [AnswerPath.REPLAY] * 3 + [AnswerPath.BLOCK] * 3
     assert all(r.grafted.decode_tokens <= 8 for r in results)
-    assert facts["receipts"] == {"total": 6, "verified": 6}
+    assert all(r.grafted.receipt_verified is True for r in results)
+    used = [r.upstream.graft_id if r.upstream else None for r in results]
+    assert used == [record.graft_id for record in records] + [None, None, None]
+    assert facts.receipts == ReceiptTally(total=6, verified=6)
     summary = summarize(results, 8, facts, Gate())
-    assert summary["rungs"]["bare"]["seen"]["n"] == 3 and summary["rungs"]["bare"]["unseen"]["n"] == 3
-    assert summary["rungs"]["gated"]["all"]["n"] == 6
-    assert summary["upstream"]["grafts_used"] == 3
+    assert summary.cell(Rung.BARE, Split.SEEN).n == 3 and summary.cell(Rung.BARE, Split.UNSEEN).n == 3
+    assert summary.cell(Rung.GATED, Split.ALL).n == 6
+    assert summary.upstream.grafts_used == 3 and summary.upstream.harvest_tokens == 0  # imported: no cost
+    data = summary.to_json()
+    assert data["receipts"] == {"total": 6, "verified": 6} and data["token_budget_total"] == 48
+    assert [p["grafted"]["path"] for p in data["problems"]] == ["replay"] * 3 + ["block"] * 3
+
+
+def _answer(path: AnswerPath, correct: bool, tokens: int, error: str | None = None, **kw: object) -> Answer:
+    return Answer(
+        path=path,
+        answer="1" if correct else "2",
+        correct=correct,
+        decode_tokens=tokens,
+        ttft_s=0.5,
+        wall_s=1.0,
+        confidence=0.75,
+        error=error,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_summary_json_has_the_documented_shape_and_figures() -> None:
+    bare = AnswerPath.BARE
+    seen = ProblemResult(
+        id="a",
+        seen=True,
+        gold="1",
+        bare=_answer(bare, False, 40),
+        grafted=_answer(AnswerPath.REPLAY, True, 2, graft_id="g", score=1.0, receipt_id="r", receipt_verified=True),
+        gate_passed=True,
+        block_own=_answer(AnswerPath.BLOCK, True, 10, graft_id="b", score=1.0),
+        upstream=Upstream(graft_id="g", cost=HarvestCost(attempts=3, tokens_generated=90, wall_s=1.25)),
+    )
+    unseen = ProblemResult(
+        id="b", seen=False, gold="1", bare=_answer(bare, True, 20), grafted=_answer(bare, True, 20), gate_passed=False
+    )
+    failed = ProblemResult(
+        id="c",
+        seen=False,
+        gold="1",
+        bare=_answer(bare, False, 0, "too long"),
+        grafted=_answer(bare, False, 0, "too long"),
+        gate_passed=False,
+    )
+    facts = LadderFacts(
+        wall_s=3.0, energy=EnergyReading(joules=None, source="off"), receipts=ReceiptTally(total=1, verified=1)
+    )
+    harvest = HarvestSummary.of(
+        [
+            HarvestRecord(
+                problem_id="a",
+                problem_sha256="s",
+                verified=True,
+                attempts=3,
+                tokens_generated=90,
+                wall_s=1.25,
+                build_s=0.5,
+                graft_id="g",
+                solution="x",
+                source=SolutionSource.MODEL,
+            )
+        ],
+        ["b"],
+        2.0,
+    )
+    summary = summarize([seen, unseen, failed], 40, facts, Gate(min_match=0.5))
+    data = summary.to_json()
+    assert list(data) == [
+        "budget", "token_budget_total", "gate", "rungs", "bare_over_rung_decode_tokens", "block_own_solution",
+        "upstream", "energy", "wall_s", "receipts", "errors", "problems",
+    ]  # fmt: skip
+    assert data["gate"] == {"min_match": 0.5, "min_confidence": 0.5} and data["token_budget_total"] == 120
+    assert data["rungs"]["grafted"]["seen"] == {
+        "n": 1, "correct": 1, "accuracy": 1.0, "ci95": list(wilson_interval(1, 1)),
+        "decode_tokens_mean": 2.0, "decode_tokens_total": 2, "ttft_s_mean": 0.5, "wall_s": 1.0,
+    }  # fmt: skip
+    assert data["rungs"]["bare"]["all"]["correct"] == 1 and data["rungs"]["bare"]["all"]["decode_tokens_total"] == 60
+    assert data["rungs"]["gated"]["all"]["correct"] == 2 and data["rungs"]["gated"]["unseen"]["n"] == 2
+    assert data["bare_over_rung_decode_tokens"]["seen"] == {"grafted": 20.0, "gated": 20.0}
+    assert data["bare_over_rung_decode_tokens"]["all"]["grafted"] == pytest.approx(60 / 22)
+    assert data["block_own_solution"] == {
+        "n": 1, "correct": 1, "accuracy": 1.0, "ci95": list(wilson_interval(1, 1)), "decode_tokens_mean": 10.0,
+    }  # fmt: skip
+    assert data["upstream"] == {
+        "grafts_used": 1, "harvest_tokens": 90, "harvest_wall_s": 1.25, "uses_per_graft": 1,
+        "amortized_tokens_per_use": 90.0, "seen_grafted_tokens_including_upstream": 92, "seen_bare_tokens": 40,
+    }  # fmt: skip
+    assert data["errors"] == 2 and data["receipts"] == {"total": 1, "verified": 1}
+    assert data["problems"][0]["gated"] == data["problems"][0]["grafted"]
+    assert data["problems"][0]["upstream"] == {"graft_id": "g", "attempts": 3, "tokens_generated": 90, "wall_s": 1.25}
+    assert data["problems"][1]["upstream"] == {} and data["problems"][1]["block_own"] is None
+    labelled = replace(summary, model="m", dataset="d", harvest=harvest, report="/r.md").to_json()
+    assert list(labelled)[-4:] == ["model", "dataset", "harvest", "report"]
+    assert labelled["upstream"]["harvest_all"] == {
+        "problems_tried": 1, "verified": 1, "attempts": 3, "tokens_generated": 90, "wall_s": 2.0,
+    }  # fmt: skip
+    assert labelled["harvest"]["replay_grafts"] == ["g"] and labelled["harvest"]["blocks"] == ["b"]

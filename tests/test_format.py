@@ -14,15 +14,8 @@ from hypothesis import strategies as st
 from kvgraft.core.errors import FormatError, IntegrityError
 from kvgraft.core.fingerprint import Fingerprint
 from kvgraft.core.hashing import Sha256Hex
-from kvgraft.format.graft_format import (
-    BlockRef,
-    LayerEntry,
-    Manifest,
-    block_keys,
-    graft_id,
-    manifest_bytes,
-    parse_manifest,
-)
+from kvgraft.format.blocks import block_keys
+from kvgraft.format.manifest import BlockRef, LayerEntry, Manifest, graft_id, manifest_bytes, parse_manifest
 
 FAST = settings(max_examples=25, deadline=None)
 

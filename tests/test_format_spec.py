@@ -22,15 +22,8 @@ from kvgraft.core.errors import FormatError, IntegrityError
 from kvgraft.core.fingerprint import Fingerprint
 from kvgraft.core.hashing import LogitsChain, canonical_json, sha256_json, sha256_token_ids, tensor_bytes
 from kvgraft.engine.engine import Engine
-from kvgraft.format.graft_format import (
-    MANIFEST_NAME,
-    TENSORS_NAME,
-    block_digest,
-    block_keys,
-    block_tensor_name,
-    fingerprint_digest,
-    parse_manifest,
-)
+from kvgraft.format.blocks import block_digest, block_keys, block_tensor_name
+from kvgraft.format.manifest import MANIFEST_NAME, TENSORS_NAME, parse_manifest
 from kvgraft.store import LocalStore
 
 from conftest import TEST_CHUNK, cached_model
@@ -362,7 +355,7 @@ def test_the_block_test_vectors_are_what_kvgraft_computes() -> None:
     assert found is not None, "section 8 gives the test fingerprint in a json block"
     fingerprint = Fingerprint.from_json(json.loads(found.group(1)))
     assert fingerprint.to_json() == json.loads(found.group(1))  # well formed: nothing normalised away
-    digest = fingerprint_digest(fingerprint)
+    digest = fingerprint.digest
     assert _hex("the test fingerprint below") == [digest]
     assert f"`{canonical_json(fingerprint.to_json()).decode()}`" in _vectors()
 

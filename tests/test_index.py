@@ -8,6 +8,7 @@ import shutil
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
+from kvgraft.format.metadata import GraftKind
 from kvgraft.library.index import INDEX_NAME, INDEX_VERSION, load_index, store_stats
 from kvgraft.store import LocalStore
 
@@ -59,3 +60,26 @@ def test_store_stats_counts_grafts_tokens_and_bytes(make_engine: EngineFactory, 
     result = CliRunner().invoke(app, ["store", "stats", "--store", str(store.root), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == stats.to_json()
+
+
+def test_index_reads_metadata_leniently_and_types_the_known_kinds(
+    make_engine: EngineFactory, store: LocalStore
+) -> None:
+    engine = make_engine()
+    problem = {"id": "p1", "problem_sha256": "s1", "text": "How many pens now?"}
+    block = engine.put(f"{TEXT} block", metadata={"kind": "block", "problems": [problem, "junk", {"id": "x"}]}).id
+    replay_meta = {"kind": "replay", "problem_id": "p1", "problem_sha256": "s1", "prompt_tokens_sha256": "h1"}
+    replay = engine.put(f"{TEXT} replay", metadata=replay_meta).id
+    note = engine.put(f"{TEXT} note", metadata={"kind": "note", "summary": "a note"}).id
+    broken = engine.put(f"{TEXT} broken", metadata={"kind": "replay", "problems": 7}).id
+    entries = load_index(store)
+    assert entries[block].kind is GraftKind.BLOCK and entries[block].problems == [problem]
+    assert entries[block].retrieval_texts() == [("p1", "How many pens now?")]
+    assert entries[replay].kind is GraftKind.REPLAY and entries[replay].prompt_tokens_sha256 == "h1"
+    assert entries[replay].problems == [{"id": "p1", "problem_sha256": "s1"}]
+    assert entries[note].kind == "note" and entries[note].retrieval_texts() == [("summary", "a note")]
+    assert entries[broken].kind is GraftKind.REPLAY and entries[broken].problems == []
+    rows = {row["id"]: row for row in json.loads((store.root / INDEX_NAME).read_text())["grafts"]}
+    assert [rows[i]["kind"] for i in (block, replay, note, broken)] == ["block", "replay", "note", "replay"]
+    again = load_index(store)  # read back from index.json: the kinds are typed again
+    assert again == entries and again[block].kind is GraftKind.BLOCK and again[replay].kind is GraftKind.REPLAY

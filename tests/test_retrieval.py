@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from kvgraft.cli import app
 from kvgraft.core.errors import BadInputError
 from kvgraft.flywheel.datasets import Item, load_dataset
-from kvgraft.library.index import INDEX_NAME, INDEX_VERSION, SUMMARY_CHARS, load_index
+from kvgraft.format.metadata import SUMMARY_CHARS
+from kvgraft.library.index import INDEX_NAME, INDEX_VERSION, load_index
 from kvgraft.library.library import Library
 from kvgraft.library.retrieval import BM25Retriever, DenseRetriever, make_retriever
 from kvgraft.store import LocalStore

@@ -228,8 +228,10 @@ def test_several_grafts_compose_exactly_as_a_chain_and_approximately_on_request(
             model=MODEL, prompt=" Who?", max_tokens=4, extra_body={"kvgraft": {"grafts": [first["id"], other["id"]]}}
         )
     assert caught.value.body["code"] == "composition_refused" and caught.value.body["param"] == "kvgraft.grafts"
-    assert caught.value.body["message"].startswith(
-        f"graft {other['id'][:12]} does not begin with the tokens of graft {first['id'][:12]}"
+    assert caught.value.body["message"] == (
+        f"graft {other['id'][:12]} does not begin with the tokens of graft {first['id'][:12]} (position 1 in the "
+        'list), so the grafts are not one chain; build them as one chain (POST /v1/grafts with "after"), or set '
+        "kvgraft.approximate to true"
     )
 
     approx = served.client.completions.create(
@@ -294,7 +296,7 @@ def test_a_fetched_receipt_verifies_with_kvgraft_verify(served: Served, tmp_path
 
 def test_library_endpoints_and_write_auth(served: Served) -> None:
     anonymous = httpx.Client(base_url=served.url, timeout=30)
-    body = {"text": "Library entries are built from text.", "metadata": {"title": "library test"}}
+    body = {"text": "Library entries are built from text.", "metadata": {"title": "library test", "kind": "notes"}}
     for reply in (
         anonymous.post("/v1/grafts", json=body),
         anonymous.delete("/v1/grafts/abcd"),
@@ -326,6 +328,10 @@ def test_library_endpoints_and_write_auth(served: Served) -> None:
     detail = anonymous.get(f"/v1/grafts/{graft['id'][:10]}").json()
     assert detail["id"] == graft["id"] and detail["manifest"]["metadata"]["title"] == "library test"
     assert detail["tokens"] == len(detail["manifest"]["tokens"]) == len(body["text"]) + 1
+    row = {k: v for k, v in graft.items() if k != "created"}  # the same row from the put, the index, the manifest
+    assert row["kind"] == "notes" and row["object"] == "graft" and row["bytes"] > 0
+    assert next(g for g in listed["data"] if g["id"] == graft["id"]) == row
+    assert {k: v for k, v in detail.items() if k != "manifest"} == row
 
     deleted = served.http.delete(f"/v1/grafts/{graft['id']}")
     assert deleted.status_code == 200

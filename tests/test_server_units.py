@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgraft.core.errors import BadInputError, NotFoundError
+from kvgraft.core.errors import BadInputError, EnvironmentMismatchError, NotAChainError, NotFoundError
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.format.receipt import parse_receipt
 from kvgraft.models.byte_tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
+from kvgraft.server.errors import from_kvgraft
 from kvgraft.server.grafting import LibraryView
 from kvgraft.server.prompts import TextStream, chat_prompt
 from kvgraft.server.receipts import ReceiptBook
@@ -131,7 +132,7 @@ def test_receipts_are_kept_in_memory_and_on_disk(tmp_path: Path) -> None:
     engine = Engine(model, tokenizer, "random:llama", TEST_CHUNK)
     receipts = [engine.generate(f"text {i}", params=SamplingParams(max_new_tokens=2)).receipt for i in range(3)]
     book = ReceiptBook(tmp_path / "receipts", capacity=2)
-    ids = [book.add(r)["id"] for r in receipts]
+    ids = [book.add(r) for r in receipts]
     assert ids == [r.id for r in receipts]
     assert book.get(ids[0]) == receipts[0].to_json()  # evicted from memory, read back from disk
     for receipt_id in ids:
@@ -156,3 +157,21 @@ def test_the_library_view_rebuilds_only_when_the_store_changed(tmp_path: Path) -
     assert [h.graft_id for h in view.get().library.search("zebras", 3)] == [made.id]
     engine.store.delete(made.id)
     assert view.get().library.search("zebras", 3) == []
+
+
+def test_the_server_adds_its_own_hint_to_core_errors() -> None:
+    """Core errors name no remedy; the server appends the one a client has, keeping code and status."""
+    mismatch = from_kvgraft(EnvironmentMismatchError("numeric environment differs (graft vs this run: threads)"))
+    assert (mismatch.status, mismatch.code) == (400, "environment_mismatch")
+    assert mismatch.message == (
+        "numeric environment differs (graft vs this run: threads); the server does not allow environment mismatches "
+        "(started without --allow-env-mismatch)"
+    )
+    refused = from_kvgraft(NotAChainError("the grafts are not one chain"), "kvgraft.grafts")
+    assert (refused.status, refused.code, refused.param) == (400, "bad_input", "kvgraft.grafts")
+    assert refused.message == (
+        'the grafts are not one chain; build them as one chain (POST /v1/grafts with "after"), or set '
+        "kvgraft.approximate to true"
+    )
+    plain = from_kvgraft(BadInputError("prompt is empty"))
+    assert plain.message == "prompt is empty"  # no hint where the server has none

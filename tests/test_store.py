@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvgraft.core.errors import FormatError, IntegrityError, NotFoundError, StoreError
-from kvgraft.format.graft_format import block_digest, block_file_bytes
+from kvgraft.format.blocks import block_digest
+from kvgraft.format.tensor_files import block_file_bytes
 from kvgraft.library.index import store_stats
 from kvgraft.store import LocalStore, default_store_path, open_store
 

@@ -62,10 +62,10 @@ def test_prefetch_loads_in_the_background_and_the_next_get_is_a_hit(tmp_path: Pa
     local = LocalStore(tmp_path / "s")
     ids = [_engine(local).put(f"{TEXT} {i}").id for i in range(2)]
     cache = CachedStore(local, max_bytes=1 << 30)
-    future = cache.prefetch(ids[1][:10])
+    future = cache.start_prefetch(ids[1][:10])
     assert future is not None
     assert future.result(timeout=60).manifest.id == ids[1]
-    assert cache.prefetch(ids[1]) is None  # already cached: nothing to do
+    assert cache.prefetch(ids[1]) is False  # already cached: nothing to do
     assert cache.get(ids[1]).manifest.id == ids[1]
     assert (cache.hits, cache.misses, cache.prefetched) == (1, 0, 1)
     assert cache.cached_ids() == [ids[1]]
@@ -79,7 +79,7 @@ def test_a_prefetch_of_a_corrupted_graft_fails_when_it_is_asked_for(tmp_path: Pa
     raw[-1] ^= 0x01
     block.write_bytes(bytes(raw))
     cache = CachedStore(local, max_bytes=1 << 30)
-    future = cache.prefetch(graft_id)
+    future = cache.start_prefetch(graft_id)
     assert future is not None and isinstance(future.exception(timeout=60), IntegrityError)
     with pytest.raises(IntegrityError, match="does not match its SHA-256"):
         cache.get(graft_id)

@@ -1,3 +1,3 @@
-from kvgraft.cli.main import main
+from kvgraft.cli.app import main
 
 main()

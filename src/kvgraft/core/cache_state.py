@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any, ClassVar
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -20,7 +21,23 @@ from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWin
 
 from kvgraft.core.errors import FingerprintMismatchError
 
-LayerKind = Literal["full", "sliding", "shared"]
+
+class LayerKind(StrEnum):
+    """What a cache layer keeps; the value is what manifests record (docs/FORMAT.md, "layers")."""
+
+    FULL = "full"
+    SLIDING = "sliding"
+    SHARED = "shared"
+
+    @property
+    def stores_kv(self) -> bool:
+        """Whether the layer has KV of its own (a shared layer reads another layer's)."""
+        return self is not LayerKind.SHARED
+
+    @classmethod
+    def of(cls, layer: object) -> LayerKind:
+        """The kind of a transformers cache layer; FingerprintMismatchError for a layer type kvgraft does not know."""
+        return _spec_of(layer).kind
 
 
 @dataclass(frozen=True)
@@ -34,43 +51,89 @@ class LayerState:
     cumulative_length: int
 
 
-def layer_kind(layer: object) -> LayerKind:
-    # Order matters: the sliding layer class derives from the full one.
-    if isinstance(layer, DynamicSlidingWindowLayer):
-        return "sliding"
-    if isinstance(layer, DynamicLayer):
-        return "full"
-    if isinstance(layer, DummyLayer):
-        return "shared"
+class _LayerSpec:
+    """How one kind of transformers cache layer is restored. Subclasses say which layer class they handle."""
+
+    kind: ClassVar[LayerKind]
+    layer_class: ClassVar[type]
+
+    def load(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Put a state's keys/values ([1, kv_heads, length, head_dim], already on the layer's device) into `layer`."""
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+    def kept(self, layer: Any, length: int) -> int:
+        """How many of `length` positions the live layer keeps."""
+        return length
+
+
+class _FullSpec(_LayerSpec):
+    kind = LayerKind.FULL
+    layer_class = DynamicLayer
+
+
+class _SlidingSpec(_LayerSpec):
+    """Grafts store every position of sliding layers too (so that blocks can be shared); the model keeps the last
+    window-1, which are the very tensors a fresh run would hold, and counts every position it has seen."""
+
+    kind = LayerKind.SLIDING
+    layer_class = DynamicSlidingWindowLayer
+
+    def kept(self, layer: Any, length: int) -> int:
+        return min(length, int(layer.sliding_window) - 1)
+
+    def load(self, layer: Any, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().load(layer, keys, values, length)
+        layer.cumulative_length = length
+
+
+class _SharedSpec(_LayerSpec):
+    kind = LayerKind.SHARED
+    layer_class = DummyLayer
+
+
+# Most specific first: the sliding layer class derives from the full one.
+_SPECS: tuple[_LayerSpec, ...] = (_SlidingSpec(), _FullSpec(), _SharedSpec())
+
+
+def _spec_of(layer: object) -> _LayerSpec:
+    for spec in _SPECS:
+        if isinstance(layer, spec.layer_class):
+            return spec
     raise FingerprintMismatchError(f"unsupported cache layer type {type(layer).__name__}")
 
 
 def restore(states: list[LayerState], config: PretrainedConfig, device: torch.device | str = "cpu") -> DynamicCache:
-    """A new `DynamicCache(config=config)` holding `states`; refuses states whose layer kinds do not match."""
+    """A new cache holding `states`.
+
+    Args:
+        states: One state per layer of the model, in order.
+        config: The model's config (`DynamicCache(config=config)` builds the layers).
+        device: Where the cache's tensors go.
+
+    Returns:
+        The cache, as a fresh run would hold it after `cumulative_length` tokens.
+
+    Raises:
+        FingerprintMismatchError: layer count, kinds or lengths differ from the model's.
+    """
     cache = DynamicCache(config=config)
     if len(cache.layers) != len(states):
         raise FingerprintMismatchError(f"graft has {len(states)} layers, the model has {len(cache.layers)}")
     for index, (layer, state) in enumerate(zip(cache.layers, states, strict=True)):
-        kind = layer_kind(layer)
-        if kind != state.kind:
-            raise FingerprintMismatchError(f"layer {index} is {kind} in the model but {state.kind} in the graft")
-        if state.keys is None or state.values is None or not isinstance(layer, DynamicLayer):
+        spec = _spec_of(layer)
+        if spec.kind != state.kind:
+            raise FingerprintMismatchError(f"layer {index} is {spec.kind} in the model but {state.kind} in the graft")
+        if state.keys is None or state.values is None or not spec.kind.stores_kv:
             continue
         keys, values = state.keys, state.values
         if values.shape[:-1] != keys.shape[:-1] or keys.shape[-2] != state.cumulative_length:
             raise FingerprintMismatchError(
                 f"layer {index} stores {keys.shape[-2]} positions, the graft has {state.cumulative_length} tokens"
             )
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            # Grafts store every position of sliding layers too (so that blocks can be shared); the model keeps
-            # the last window-1, which are the very tensors a fresh run would hold.
-            kept = min(state.cumulative_length, layer.sliding_window - 1)
-            keys, values = keys[:, :, keys.shape[-2] - kept :], values[:, :, values.shape[-2] - kept :]
-        keys, values = keys.contiguous().to(device), values.contiguous().to(device)
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            layer.cumulative_length = state.cumulative_length
+        kept = spec.kept(layer, state.cumulative_length)
+        keys, values = keys[:, :, keys.shape[-2] - kept :], values[:, :, values.shape[-2] - kept :]
+        spec.load(layer, keys.contiguous().to(device), values.contiguous().to(device), state.cumulative_length)
     return cache
 
 

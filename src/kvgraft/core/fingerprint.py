@@ -41,6 +41,11 @@ class Fingerprint:
     def to_json(self) -> dict[str, Any]:
         return {"model": dict(self.model), "schedule": dict(self.schedule), "environment": dict(self.environment)}
 
+    @property
+    def digest(self) -> Sha256Hex:
+        """SHA-256 of the canonical fingerprint: what block keys commit to and servers report."""
+        return sha256_json(self.to_json())
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fingerprint:
         """Parse and type-check; raises KeyError, TypeError or ValueError on a malformed fingerprint."""

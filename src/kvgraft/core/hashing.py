@@ -14,14 +14,23 @@ import torch
 Sha256Hex = NewType("Sha256Hex", str)
 """64 lowercase hex digits of a SHA-256 digest."""
 
+GraftId = NewType("GraftId", Sha256Hex)
+"""A graft's id: the SHA-256 of its canonical manifest without `id` and `created_at`."""
+
+BlockKey = NewType("BlockKey", Sha256Hex)
+"""A KV block's chained key: what the block's tokens are (its place in a prefix, under one fingerprint)."""
+
+Digest = NewType("Digest", Sha256Hex)
+"""The SHA-256 of some bytes (a block's tensors, a tensor, a token list): what the bytes are."""
+
 _LOGITS_CHAIN_SEED = b"kvgraft/logits-chain/v1"
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("kvgraft writes tensors as little-endian bytes and needs a little-endian machine")
 
 
-def sha256_bytes(data: bytes | bytearray | memoryview) -> Sha256Hex:
-    return Sha256Hex(hashlib.sha256(data).hexdigest())
+def sha256_bytes(data: bytes | bytearray | memoryview) -> Digest:
+    return Digest(Sha256Hex(hashlib.sha256(data).hexdigest()))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -34,7 +43,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array.data).cast("B")
 
 
-def sha256_tensor(tensor: torch.Tensor) -> Sha256Hex:
+def sha256_tensor(tensor: torch.Tensor) -> Digest:
     return sha256_bytes(tensor_bytes(tensor))
 
 
@@ -44,14 +53,15 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def sha256_json(obj: Any) -> Sha256Hex:
-    return sha256_bytes(canonical_json(obj))
+    """The SHA-256 of `canonical_json(obj)`; callers name what it is (a GraftId, a BlockKey, a receipt id)."""
+    return Sha256Hex(hashlib.sha256(canonical_json(obj)).hexdigest())
 
 
 def token_ids_bytes(token_ids: list[int]) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
-def sha256_token_ids(token_ids: list[int]) -> Sha256Hex:
+def sha256_token_ids(token_ids: list[int]) -> Digest:
     """SHA-256 of token ids encoded as consecutive little-endian int64 values."""
     return sha256_bytes(token_ids_bytes(token_ids))
 

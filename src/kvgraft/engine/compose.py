@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -24,20 +25,32 @@ from transformers import DynamicCache, PreTrainedModel
 from kvgraft.core.cache_state import append_kv
 from kvgraft.core.errors import BadInputError
 from kvgraft.core.schedule import ChunkSchedule, forward_tokens
-from kvgraft.format.graft_format import Manifest, block_tensor_name
-from kvgraft.store.base import GraftStore
-
-CHAIN = "chain"
-APPROXIMATE = "approximate"
+from kvgraft.format.blocks import block_tensor_name
+from kvgraft.format.manifest import Manifest
+from kvgraft.store.base import StoredGraft
 
 
 def is_chain(manifests: list[Manifest]) -> bool:
-    """Whether each graft's tokens begin with all of the previous graft's tokens."""
+    """Whether each graft's tokens begin with all of the previous graft's tokens.
+
+    Args:
+        manifests: the grafts, in context order.
+
+    Returns:
+        True when the last graft's state is the state of them all.
+    """
     return all(len(b.tokens) >= len(a.tokens) and b.tokens[: len(a.tokens)] == a.tokens for a, b in pairwise(manifests))
 
 
 def chain_error(manifests: list[Manifest]) -> str:
-    """Why a list of grafts is not a chain, for the user."""
+    """Why a list of grafts is not a chain, for the user.
+
+    Args:
+        manifests: the grafts, in context order.
+
+    Returns:
+        The first pair that breaks the chain, in words; empty when they are a chain.
+    """
     for index, (a, b) in enumerate(pairwise(manifests)):
         if b.tokens[: len(a.tokens)] != a.tokens:
             return (
@@ -79,7 +92,19 @@ class Rerotator:
         return cos.float()[:, None], sin.float()[:, None]  # [1, 1, 1, rotary_dim]: broadcast over heads, positions
 
     def move(self, keys: torch.Tensor, layer: int, offset: int) -> torch.Tensor:
-        """keys: [1, kv_heads, n, head_dim] at positions p..; returns them as if at positions p+offset.."""
+        """Re-rotate keys by `offset` positions.
+
+        Args:
+            keys: one layer's keys at positions p.., [1, kv_heads, n, head_dim].
+            layer: the layer's index (its rotary embedding may depend on its type).
+            offset: how many positions to move them by.
+
+        Returns:
+            The keys as if computed at positions p+offset.., [1, kv_heads, n, head_dim], in the keys' dtype.
+
+        Raises:
+            BadInputError: the rotary dimension is not the head dimension (partial rotary embeddings).
+        """
         if offset == 0:
             return keys
         cos, sin = self._cos_sin(layer, offset)
@@ -92,31 +117,44 @@ class Rerotator:
         return (k * cos + self.rotate_half(k) * sin).to(keys.dtype)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ComposedContext:
     """A cache holding several grafts one after another (approximately), and the tokens it stands for."""
 
     cache: DynamicCache
     tokens: list[int]
-    offsets: list[int]
+    offsets: tuple[int, ...]
     """Position at which each graft starts."""
     last_logits: torch.Tensor | None
     """Next-token logits after the last graft's tail, [vocab]; None when the last graft has no tail."""
 
 
 def compose_approximate(
-    model: PreTrainedModel, schedule: ChunkSchedule, store: GraftStore, manifests: list[Manifest]
+    model: PreTrainedModel, schedule: ChunkSchedule, grafts: Iterable[StoredGraft]
 ) -> ComposedContext:
-    """Place each graft after the previous ones: its aligned KV re-rotated to its offset, then its tail computed."""
+    """Place each graft after the previous ones: its aligned KV re-rotated to its offset, then its tail computed.
+
+    Args:
+        model: the model (its rotary embedding re-positions the keys).
+        schedule: the chunk schedule the tails are computed under.
+        grafts: the grafts, read from a store (their tensors checked), in context order; read one at a time, so
+            that a lazy iterable holds one graft's tensors in memory at once.
+
+    Returns:
+        The composed cache, holding every graft's tokens, and the logits after the last graft's tail.
+
+    Raises:
+        BadInputError: the model has no single rotary embedding, or only a partial one.
+    """
     rerotator = Rerotator(model)
     cache = DynamicCache(config=model.config)
     tokens: list[int] = []
     offsets: list[int] = []
     last_logits: torch.Tensor | None = None
-    for manifest in manifests:
+    for stored in grafts:
+        manifest = stored.manifest
         offset = len(tokens)
         offsets.append(offset)
-        stored = store.get(manifest.id)
         layers_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for index, entry in enumerate(manifest.layers):
             keys = stored.tensors.get(block_tensor_name(index, "key")) if entry.key_shape else None
@@ -131,4 +169,4 @@ def compose_approximate(
         tail = manifest.tokens[manifest.aligned_tokens :]
         last_logits = forward_tokens(model, cache, tail, offset + manifest.aligned_tokens, schedule) if tail else None
         tokens += manifest.tokens
-    return ComposedContext(cache, tokens, offsets, last_logits)
+    return ComposedContext(cache=cache, tokens=tokens, offsets=tuple(offsets), last_logits=last_logits)

@@ -14,29 +14,21 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvgraft.core.cache_state import LayerKind, layer_kind, record_kv, restore
+from kvgraft.core.cache_state import LayerKind, record_kv, restore
 from kvgraft.core.decode import Generation, TokenCallback, decode
 from kvgraft.core.errors import BadInputError, FormatError, IntegrityError, NotAChainError, ReproducibilityError
 from kvgraft.core.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
-from kvgraft.core.hashing import Sha256Hex, sha256_bytes, sha256_tensor
+from kvgraft.core.hashing import BlockKey, Digest, GraftId, sha256_bytes, sha256_tensor
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
 from kvgraft.core.version import __version__
-from kvgraft.engine.compose import APPROXIMATE, CHAIN, chain_error, compose_approximate, is_chain
-from kvgraft.format.graft_format import (
-    NEXT_LOGITS_NAME,
-    BlockRef,
-    Manifest,
-    assemble,
-    block_digest,
-    block_keys,
-    block_tensors,
-    layer_entries,
-    states_from,
-)
-from kvgraft.format.receipt import Receipt
-from kvgraft.library.index import SUMMARY_CHARS
-from kvgraft.models.loading import load_model, max_positions
+from kvgraft.engine.assembly import block_tensors, layer_entries, states_from
+from kvgraft.engine.compose import chain_error, compose_approximate, is_chain
+from kvgraft.format.blocks import assemble, block_digest, block_keys
+from kvgraft.format.manifest import NEXT_LOGITS_NAME, BlockRef, Manifest
+from kvgraft.format.metadata import with_default_summary
+from kvgraft.format.receipt import Composition, CompositionMode, Receipt
+from kvgraft.models.loading import DEFAULT_DTYPE, load_model, max_positions
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.cache import CachedStore
 
@@ -46,14 +38,14 @@ class BuiltGraft:
     manifest: Manifest
     tensors: dict[str, torch.Tensor]
     """The graft's own tensors (the next-token logits, when every token has KV)."""
-    blocks: dict[Sha256Hex, dict[str, torch.Tensor]]
+    blocks: dict[BlockKey, dict[str, torch.Tensor]]
     """The blocks this build computed, by key; the others were already stored and were reused."""
     reused_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class PutResult:
-    id: str
+    id: GraftId
     tokens: int
     aligned_tokens: int
     bytes: int
@@ -72,24 +64,49 @@ class PutResult:
         }
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RestoredGraft:
     """A graft restored into a cache, ready to continue at position `manifest.aligned_tokens`."""
 
     manifest: Manifest
     cache: DynamicCache
+    """Holds the graft's `aligned_tokens` positions."""
     next_logits: torch.Tensor | None
+    """The stored next-token logits, [vocab], when every token of the graft has KV; else None."""
     environment_differences: list[str]
     load_s: float
     restore_s: float
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class PreparedContext:
+    """The context a generation continues, as one strategy (no graft, a graft or chain, an approximate
+    composition) prepared it: a cache holding `start` positions of `input_ids`, the rest still to compute."""
+
+    cache: DynamicCache
+    input_ids: list[int]
+    """Every input token: the grafts' tokens, then the prompt's."""
+    prompt_tokens: int
+    start: int
+    environment_differences: list[str]
+    first_logits: torch.Tensor | None
+    """Next-token logits, [vocab], for when nothing is left to compute; None otherwise."""
+    composition: Composition | None = None
+    restored: RestoredGraft | None = None
+
+    @property
+    def approximate(self) -> bool:
+        return self.composition is not None and self.composition.approximate
+
+
+@dataclass(frozen=True, kw_only=True)
 class GenerationResult:
+    """A generation: its text, tokens, timings, and the receipt that commits to it."""
+
     text: str
     prompt_tokens: int
     output_tokens: list[int]
-    graft_id: str | None
+    graft_id: GraftId | None
     exact: bool
     stop_reason: str
     timings: dict[str, float]
@@ -101,6 +118,8 @@ class GenerationResult:
         return self.receipt.approximate
 
     def to_json(self) -> dict[str, Any]:
+        """The result's JSON object (the CLI's `generate --json`)."""
+        composition = self.receipt.composition
         return {
             "text": self.text,
             "graft_id": self.graft_id,
@@ -108,7 +127,7 @@ class GenerationResult:
             "output_tokens": list(self.output_tokens),
             "exact": self.exact,
             "approximate": self.approximate,
-            "composition": self.receipt.composition,
+            "composition": composition.to_json() if composition is not None else None,
             "stop_reason": self.stop_reason,
             "timings": dict(self.timings),
             "receipt_id": self.receipt.id,
@@ -121,7 +140,7 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
 
 def _check_same(
     first: list[dict[str, torch.Tensor]],
-    digests: list[Sha256Hex],
+    digests: list[Digest],
     second: list[dict[str, torch.Tensor]],
     logits: torch.Tensor | None,
     logits_again: torch.Tensor | None,
@@ -175,7 +194,7 @@ class Engine:
     def load(
         cls,
         spec: str,
-        dtype: str = "float32",
+        dtype: str = DEFAULT_DTYPE,
         device: str = "cpu",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         store: str | GraftStore | None = None,
@@ -184,7 +203,7 @@ class Engine:
     ) -> Engine:
         """`cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of the store."""
         model, tokenizer = load_model(spec, dtype=dtype, device=device)
-        graft_store = store if store is not None and not isinstance(store, str) else open_store(store)
+        graft_store: GraftStore = store if store is not None and not isinstance(store, str) else open_store(store)
         if cache_bytes is not None:
             graft_store = CachedStore(graft_store, cache_bytes)
         return cls(model, tokenizer, spec, chunk_size, graft_store, allow_environment_mismatch)
@@ -232,9 +251,7 @@ class Engine:
         `text`, so the two form one exact chain and share the parent's blocks. Leading blocks already in the store
         (a common preamble, a parent) are read and restored instead of computed, which is exact by construction.
         """
-        meta = dict(metadata or {})
-        # What retrieval finds the graft by, unless the caller says otherwise (see kvgraft.library.retrieval).
-        meta.setdefault("summary", text[:SUMMARY_CHARS])
+        meta = with_default_summary(metadata or {}, text)
         if after is None:
             tokens = self.check_text(text)
         else:
@@ -250,7 +267,7 @@ class Engine:
     def build_tokens(
         self,
         tokens: list[int],
-        source_sha256: Sha256Hex,
+        source_sha256: Digest,
         metadata: dict[str, Any],
         on_chunk: ChunkCallback | None = None,
         check: bool = False,
@@ -267,7 +284,7 @@ class Engine:
         if keep_logits:
             # The next-token logits come from the last chunk's forward: compute at least that one.
             reuse = min(reuse, len(keys) - 1)
-        kinds = [layer_kind(layer) for layer in DynamicCache(config=self.model.config).layers]
+        kinds = [LayerKind.of(layer) for layer in DynamicCache(config=self.model.config).layers]
         refs: list[BlockRef] = []
         reused: list[dict[str, torch.Tensor]] = []
         for index, key in enumerate(keys[:reuse]):
@@ -359,7 +376,19 @@ class Engine:
     # --- restore and generate -----------------------------------------------------------------------------
 
     def restore(self, graft_id: str) -> RestoredGraft:
-        """Load a graft (every tensor hash checked), check its fingerprint, and restore it into a cache."""
+        """Load a graft (every tensor hash checked), check its fingerprint, and restore it into a cache.
+
+        Args:
+            graft_id: the graft's id, or a unique prefix of it.
+
+        Returns:
+            The graft's manifest, a cache holding its `aligned_tokens` positions, its stored next-token logits
+            ([vocab], when every token has KV), the environment differences and the load and restore times.
+
+        Raises:
+            FingerprintMismatchError: the graft was built by another model, tokenizer or schedule (or another
+                environment, unless the engine allows that).
+        """
         t0 = time.perf_counter()
         manifest = self.store.manifest(graft_id)
         env_diff = check_fingerprint(manifest.fingerprint, self.fingerprint, self.allow_environment_mismatch)
@@ -370,15 +399,20 @@ class Engine:
         cache = restore(states, self.model.config, self.model.device)
         next_logits = stored.tensors.get(NEXT_LOGITS_NAME)
         next_logits = next_logits.reshape(-1) if next_logits is not None else None
-        return RestoredGraft(stored.manifest, cache, next_logits, env_diff, t1 - t0, time.perf_counter() - t1)
+        return RestoredGraft(
+            manifest=stored.manifest,
+            cache=cache,
+            next_logits=next_logits,
+            environment_differences=env_diff,
+            load_s=t1 - t0,
+            restore_s=time.perf_counter() - t1,
+        )
 
     def prefetch(self, graft_id: str) -> bool:
         """Start loading a graft likely to be asked for next (e.g. a retrieval's runner-up) into the RAM tier, in
         the background. False when there is no RAM tier (`Engine.load(..., cache_bytes=N)`) or it is there already.
         """
-        if not isinstance(self.store, CachedStore):
-            return False
-        return self.store.prefetch(graft_id) is not None
+        return self.store.prefetch(graft_id)
 
     def run_fresh(
         self,
@@ -390,6 +424,15 @@ class Engine:
         """The fresh run: every input token computed from position 0 under the schedule, then decoding.
 
         This is what a grafted run must equal; receipts are verified against it.
+
+        Args:
+            input_tokens: every input token id (a receipt's `input_tokens`).
+            params: sampling, stop strings and `max_new_tokens`.
+            keep_logits: keep every step's logits ([vocab] each) in `Generation.step_logits`.
+            on_chunk: called with (tokens done, tokens in all) after each chunk of the prefill.
+
+        Returns:
+            The generation: output tokens and text, logits chain, stop reason, timings.
         """
         cache = DynamicCache(config=self.model.config)
         started = time.perf_counter()
@@ -422,58 +465,40 @@ class Engine:
         Several grafts (`graft_ids`, after `graft_id` if both are given) are exact when they form one chain; other
         lists are refused unless `approximate`, which re-positions them (see `kvgraft.engine.compose`) and labels the
         result and its receipt approximate.
+
+        Args:
+            prompt: the text to continue; may be empty when grafts are given.
+            graft_id: a graft to continue from.
+            params: sampling, stop strings and `max_new_tokens` (default `SamplingParams()`).
+            on_chunk: called with (tokens done, tokens in all) after each chunk of the prefill.
+            on_token: called with each output token as it is chosen.
+            keep_logits: keep every step's logits ([vocab] each) in `GenerationResult.generation.step_logits`.
+            graft_ids: further grafts, in context order.
+            approximate: compose grafts that are not one chain by re-positioning them.
+
+        Returns:
+            The text, tokens, timings and the receipt of the run.
+
+        Raises:
+            BadInputError: an empty prompt and no graft, nothing to compute, or input plus `max_new_tokens` longer
+                than the model's positions.
+            NotAChainError: several grafts that are not one chain, without `approximate`.
         """
         params = params or SamplingParams()
         started = time.perf_counter()
         ids = ([graft_id] if graft_id is not None else []) + list(graft_ids or [])
-        composition: dict[str, Any] | None = None
-        restored: RestoredGraft | None = None
-        if not ids:
-            if not prompt:
-                raise BadInputError("prompt is empty; give a prompt or a graft")
-            prompt_ids = self.encode_context(prompt)
-            cache = DynamicCache(config=self.model.config)
-            input_ids, start, env_diff, first_logits = prompt_ids, 0, [], None
-        else:
-            manifests = [self.store.manifest(i) for i in ids]
-            prompt_ids = self.encode_continuation(prompt)
-            if len(manifests) == 1 or is_chain(manifests):
-                restored = self.restore(manifests[-1].id)
-                cache = restored.cache
-                input_ids = restored.manifest.tokens + prompt_ids
-                start, env_diff = restored.manifest.aligned_tokens, restored.environment_differences
-                first_logits = restored.next_logits
-                if len(manifests) > 1:
-                    composition = {"mode": CHAIN, "grafts": [m.id for m in manifests]}
-            elif not approximate:
-                raise NotAChainError(chain_error(manifests))
-            else:
-                env_diff = sorted(
-                    {
-                        d
-                        for m in manifests
-                        for d in check_fingerprint(m.fingerprint, self.fingerprint, self.allow_environment_mismatch)
-                    }
-                )
-                composed = compose_approximate(self.model, self.schedule, self.store, manifests)
-                cache, input_ids, start = composed.cache, composed.tokens + prompt_ids, len(composed.tokens)
-                first_logits = composed.last_logits
-                if not prompt_ids and first_logits is None:
-                    raise BadInputError(
-                        "an approximate composition whose last graft has no tail to compute needs a prompt"
-                    )
-                composition = {"mode": APPROXIMATE, "grafts": [m.id for m in manifests], "offsets": composed.offsets}
-        self._check_length(len(input_ids) + params.max_new_tokens, "input plus max new tokens")
+        context = self._prepare_context(prompt, ids, approximate)
+        self._check_length(len(context.input_ids) + params.max_new_tokens, "input plus max new tokens")
         generation = decode(
             self.model,
             self.tokenizer,
             self.schedule,
-            cache,
-            input_ids[start:],
-            start,
+            context.cache,
+            context.input_ids[context.start :],
+            context.start,
             params,
             started,
-            first_logits=first_logits,
+            first_logits=context.first_logits,
             keep_logits=keep_logits,
             on_chunk=on_chunk,
             on_token=on_token,
@@ -483,27 +508,12 @@ class Engine:
             "decode_tokens_per_s": generation.decode_tokens_per_s,
             "total_s": time.perf_counter() - started,
         }
-        if restored is not None:
-            timings |= {"graft_load_s": restored.load_s, "graft_restore_s": restored.restore_s}
-        approximate_run = composition is not None and composition["mode"] == APPROXIMATE
-        receipt = Receipt(
-            fingerprint=self.fingerprint,
-            model_name=self.model_name,
-            graft_id=restored.manifest.id if restored else None,
-            graft_aligned_tokens=start,
-            input_tokens=input_ids,
-            output_tokens=generation.output_tokens,
-            logits_chain_sha256=generation.logits_chain,
-            sampling=params,
-            exact=not env_diff and not approximate_run,
-            environment_differences=env_diff,
-            created_at=_now(),
-            timings=timings,
-            composition=composition,
-        )
+        if context.restored is not None:
+            timings |= {"graft_load_s": context.restored.load_s, "graft_restore_s": context.restored.restore_s}
+        receipt = self._receipt(context, generation, params, timings)
         return GenerationResult(
             text=generation.text,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=context.prompt_tokens,
             output_tokens=generation.output_tokens,
             graft_id=receipt.graft_id,
             exact=receipt.exact,
@@ -511,4 +521,94 @@ class Engine:
             timings=timings,
             receipt=receipt,
             generation=generation,
+        )
+
+    def _prepare_context(self, prompt: str, graft_ids: list[str], approximate: bool) -> PreparedContext:
+        """Pick the context strategy: the bare prompt, one graft or an exact chain, or an approximate composition."""
+        if not graft_ids:
+            return self._bare_context(prompt)
+        manifests = [self.store.manifest(i) for i in graft_ids]
+        prompt_ids = self.encode_continuation(prompt)
+        if len(manifests) == 1 or is_chain(manifests):
+            return self._restored_context(manifests, prompt_ids)
+        if not approximate:
+            raise NotAChainError(chain_error(manifests))
+        return self._approximate_context(manifests, prompt_ids)
+
+    def _bare_context(self, prompt: str) -> PreparedContext:
+        """No graft: an empty cache and the prompt (with BOS), all of it to compute from position 0."""
+        if not prompt:
+            raise BadInputError("prompt is empty; give a prompt or a graft")
+        prompt_ids = self.encode_context(prompt)
+        return PreparedContext(
+            cache=DynamicCache(config=self.model.config),
+            input_ids=prompt_ids,
+            prompt_tokens=len(prompt_ids),
+            start=0,
+            environment_differences=[],
+            first_logits=None,
+        )
+
+    def _restored_context(self, manifests: list[Manifest], prompt_ids: list[int]) -> PreparedContext:
+        """One graft, or grafts that form one chain (exact): the last one restored, its tail and the prompt to
+        compute from its aligned position."""
+        restored = self.restore(manifests[-1].id)
+        composition = None
+        if len(manifests) > 1:
+            composition = Composition(mode=CompositionMode.CHAIN, grafts=tuple(m.id for m in manifests))
+        return PreparedContext(
+            cache=restored.cache,
+            input_ids=list(restored.manifest.tokens) + prompt_ids,
+            prompt_tokens=len(prompt_ids),
+            start=restored.manifest.aligned_tokens,
+            environment_differences=restored.environment_differences,
+            first_logits=restored.next_logits,
+            composition=composition,
+            restored=restored,
+        )
+
+    def _approximate_context(self, manifests: list[Manifest], prompt_ids: list[int]) -> PreparedContext:
+        """Grafts that are not one chain, re-positioned one after another (never exact); the prompt to compute."""
+        env_diff = sorted(
+            {
+                d
+                for m in manifests
+                for d in check_fingerprint(m.fingerprint, self.fingerprint, self.allow_environment_mismatch)
+            }
+        )
+        composed = compose_approximate(self.model, self.schedule, (self.store.get(m.id) for m in manifests))
+        if not prompt_ids and composed.last_logits is None:
+            raise BadInputError("an approximate composition whose last graft has no tail to compute needs a prompt")
+        return PreparedContext(
+            cache=composed.cache,
+            input_ids=composed.tokens + prompt_ids,
+            prompt_tokens=len(prompt_ids),
+            start=len(composed.tokens),
+            environment_differences=env_diff,
+            first_logits=composed.last_logits,
+            composition=Composition(
+                mode=CompositionMode.APPROXIMATE,
+                grafts=tuple(m.id for m in manifests),
+                offsets=composed.offsets,
+            ),
+        )
+
+    def _receipt(
+        self, context: PreparedContext, generation: Generation, params: SamplingParams, timings: dict[str, float]
+    ) -> Receipt:
+        """The receipt of a generation in `context`: exact unless the environment differs or it is approximate."""
+        return Receipt(
+            fingerprint=self.fingerprint,
+            model_name=self.model_name,
+            graft_id=context.restored.manifest.id if context.restored else None,
+            graft_aligned_tokens=context.start,
+            input_tokens=context.input_ids,
+            output_tokens=generation.output_tokens,
+            logits_chain_sha256=generation.logits_chain,
+            sampling=params,
+            exact=not context.environment_differences and not context.approximate,
+            environment_differences=context.environment_differences,
+            created_at=_now(),
+            timings=timings,
+            composition=context.composition,
         )

@@ -13,18 +13,22 @@ from transformers import DynamicCache
 from kvgraft.core.cache_state import record_kv, restore
 from kvgraft.core.errors import BadInputError, KvgraftError
 from kvgraft.core.fingerprint import check_fingerprint
-from kvgraft.core.hashing import sha256_tensor
+from kvgraft.core.hashing import GraftId, sha256_tensor
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import ChunkCallback, forward_tokens
+from kvgraft.engine.assembly import block_tensors, states_from
 from kvgraft.engine.engine import Engine
-from kvgraft.format.graft_format import NEXT_LOGITS_NAME, Manifest, block_digest, block_tensors, states_from
+from kvgraft.format.blocks import block_digest
+from kvgraft.format.manifest import NEXT_LOGITS_NAME, Manifest
 from kvgraft.format.receipt import Receipt
 from kvgraft.store import GraftStore
 
 
 @dataclass
 class GraftVerification:
-    graft_id: str
+    """A graft against a fresh recompute of its tokens: exact when every tensor and the logits are equal."""
+
+    graft_id: GraftId
     kv_equal: bool
     logits_equal: bool
     kl: float
@@ -42,6 +46,8 @@ class GraftVerification:
 
 @dataclass
 class ReceiptVerification:
+    """A receipt against a fresh rerun: exact when tokens and logits chain are equal (and it is not approximate)."""
+
     receipt_id: str
     tokens_equal: bool
     logits_equal: bool
@@ -60,7 +66,15 @@ class ReceiptVerification:
 
 
 def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """KL(softmax(reference) || softmax(other)) in float64 for logits of shape [vocab]."""
+    """KL(softmax(reference) || softmax(other)), computed in float64.
+
+    Args:
+        reference: logits, [vocab].
+        other: logits, [vocab].
+
+    Returns:
+        The divergence in nats (0.0 for identical logits).
+    """
     p_log = torch.log_softmax(reference.double(), dim=-1)
     q_log = torch.log_softmax(other.double(), dim=-1)
     return float(torch.sum(p_log.exp() * (p_log - q_log)).item())
@@ -68,7 +82,17 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 def verify_graft(engine: Engine, graft_id: str, on_chunk: ChunkCallback | None = None) -> GraftVerification:
     """Recompute the graft's KV from its tokens under the schedule, compare every tensor hash, then compare the
-    next-token logits after the graft: restored + tail vs the fresh run over all tokens."""
+    next-token logits after the graft: restored + tail vs the fresh run over all tokens.
+
+    Args:
+        engine: an engine with the graft's model and a store holding the graft.
+        graft_id: the graft's id, or a unique prefix of it.
+        on_chunk: called with (tokens done, tokens in all) after each chunk of the recompute.
+
+    Returns:
+        Whether every block and the next-token logits are equal, the blocks that are not, the KL divergence
+        and argmax agreement of the logits, and the environment differences.
+    """
     stored = engine.store.get(graft_id)
     manifest = stored.manifest
     env_diff = check_fingerprint(manifest.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
@@ -137,7 +161,19 @@ class StoreVerification:
 
 
 def choose_grafts(graft_ids: Sequence[str], sample: int | None, seed: int = 0) -> list[str]:
-    """Every id, in order, or `sample` of them drawn at random (reproducibly, by `seed`)."""
+    """Every id, in order, or `sample` of them drawn at random (reproducibly, by `seed`).
+
+    Args:
+        graft_ids: the ids to choose from.
+        sample: how many to draw; None for all of them.
+        seed: seeds the draw.
+
+    Returns:
+        The chosen ids: all in order, or the sample sorted.
+
+    Raises:
+        BadInputError: `sample` below 1.
+    """
     if sample is None or sample >= len(graft_ids):
         return list(graft_ids)
     if sample < 1:
@@ -152,7 +188,17 @@ def verify_grafts(
     on_graft: Callable[[int, int], None] | None = None,
 ) -> StoreVerification:
     """`verify_graft` each graft with the engine `engine_for` gives for its manifest (loaded once per model, dtype
-    and chunk size by the caller). A graft that cannot be checked is recorded in `skipped`, never raised."""
+    and chunk size by the caller). A graft that cannot be checked is recorded in `skipped`, never raised.
+
+    Args:
+        engine_for: the engine to check a graft with, given its manifest.
+        store: holds the grafts.
+        graft_ids: the grafts to check (see `choose_grafts`).
+        on_graft: called with (grafts done, grafts in all) after each graft.
+
+    Returns:
+        Every graft checked or skipped, and how many grafts the store holds.
+    """
     result = StoreVerification(store_grafts=len(store.ids()))
     for done, graft_id in enumerate(graft_ids, start=1):
         try:
@@ -165,21 +211,42 @@ def verify_grafts(
     return result
 
 
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index at which two token lists differ, or None when they are equal.
+
+    Args:
+        a: token ids.
+        b: token ids.
+
+    Returns:
+        The first index holding different tokens; the shorter list's length when one is a proper prefix of the
+        other; None when the lists are equal.
+    """
+    differing = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if differing is None and len(a) != len(b):
+        return min(len(a), len(b))
+    return differing
+
+
 def verify_receipt(engine: Engine, receipt: Receipt, on_chunk: ChunkCallback | None = None) -> ReceiptVerification:
-    """Rerun the receipt's generation fresh (no graft, all input tokens from position 0) and compare hashes."""
+    """Rerun the receipt's generation fresh (no graft, all input tokens from position 0) and compare hashes.
+
+    Args:
+        engine: an engine with the receipt's model; its fingerprint is compared with the receipt's.
+        receipt: the receipt to check.
+        on_chunk: called with (tokens done, tokens in all) after each chunk of the rerun's prefill.
+
+    Returns:
+        Whether the rerun's output tokens and logits chain equal the receipt's, where they first diverge, and
+        the environment differences.
+    """
     env_diff = check_fingerprint(receipt.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
     rerun = engine.run_fresh(receipt.input_tokens, receipt.sampling, on_chunk=on_chunk)
-    first_divergence = next(
-        (i for i, (a, b) in enumerate(zip(receipt.output_tokens, rerun.output_tokens, strict=False)) if a != b),
-        None
-        if len(receipt.output_tokens) == len(rerun.output_tokens)
-        else min(len(receipt.output_tokens), len(rerun.output_tokens)),
-    )
     return ReceiptVerification(
         receipt_id=receipt.id,
         tokens_equal=rerun.output_tokens == receipt.output_tokens,
         logits_equal=rerun.logits_chain == receipt.logits_chain_sha256,
-        first_divergence=first_divergence,
+        first_divergence=first_divergence(receipt.output_tokens, rerun.output_tokens),
         rerun_ttft_s=rerun.ttft_s,
         environment_differences=env_diff,
         approximate=receipt.approximate,
@@ -206,21 +273,30 @@ class CompositionError:
 def measure_composition(
     engine: Engine, graft_ids: list[str], prompt: str, params: SamplingParams | None = None
 ) -> CompositionError:
-    """Run an approximate composition and the exact fresh run over the same tokens, and compare them."""
+    """Run an approximate composition and the exact fresh run over the same tokens, and compare them.
+
+    Args:
+        engine: the engine holding the grafts.
+        graft_ids: the grafts, in context order.
+        prompt: the text after them.
+        params: sampling and `max_new_tokens` (default `SamplingParams()`).
+
+    Returns:
+        The KL divergence of the first token's distributions, whether their argmax agrees, and both outputs with
+        their first divergence.
+    """
     params = params or SamplingParams()
     approx = engine.generate(prompt, graft_ids=graft_ids, params=params, keep_logits=True, approximate=True)
     exact = engine.run_fresh(approx.receipt.input_tokens, params, keep_logits=True)
     a, b = approx.output_tokens, exact.output_tokens
-    divergence = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if divergence is None and len(a) != len(b):
-        divergence = min(len(a), len(b))
     first_a, first_b = approx.generation.step_logits[0], exact.step_logits[0]
+    composition = approx.receipt.composition
     return CompositionError(
-        graft_ids=list(approx.receipt.composition["grafts"]) if approx.receipt.composition else list(graft_ids),
+        graft_ids=list(composition.grafts) if composition is not None else list(graft_ids),
         kl_first=kl_divergence(first_b, first_a),
         argmax_agree=int(first_a.argmax()) == int(first_b.argmax()),
         tokens_equal=a == b,
-        first_divergence=divergence,
+        first_divergence=first_divergence(a, b),
         approximate_tokens=list(a),
         exact_tokens=list(b),
     )

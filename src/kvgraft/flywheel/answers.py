@@ -17,13 +17,28 @@ _MARKED = re.compile(re.escape(ANSWER_MARK) + r"\s*([+-]?\d+)")
 
 
 def extract_integer_answer(text: str) -> int | None:
-    """The integer after the last `Answer:` in `text`, if any."""
+    """The integer a model's output states as its answer.
+
+    Args:
+        text: the output.
+
+    Returns:
+        The integer after the last `Answer:`, or None when there is none.
+    """
     found = _MARKED.findall(text)
     return int(found[-1]) if found else None
 
 
 def extract_answer(text: str) -> str | None:
-    """What follows the last `Answer:` in `text` up to the end of that line, stripped; None without the mark."""
+    """The answer a model's output states.
+
+    Args:
+        text: the output.
+
+    Returns:
+        What follows the last `Answer:` up to the end of that line, stripped; None without the mark (or when
+        nothing follows it).
+    """
     at = text.rfind(ANSWER_MARK)
     if at < 0:
         return None
@@ -32,12 +47,21 @@ def extract_answer(text: str) -> str | None:
 
 
 def as_integer(value: object) -> int | None:
+    """The integer a value spells (`"070"` is 70), or None when its text is not an optional sign and digits."""
     text = str(value).strip()
     return int(text) if _INTEGER.match(text) else None
 
 
 def answers_match(gold: object, predicted: object) -> bool:
-    """True when `predicted` equals `gold`: as integers when both are, else by math-verify (gold first)."""
+    """Whether a predicted answer equals the gold one.
+
+    Args:
+        gold: the gold answer.
+        predicted: the predicted answer (None or blank is never right).
+
+    Returns:
+        True when they are equal: as integers when both are, else by math-verify (gold first).
+    """
     gold_int, predicted_int = as_integer(gold), as_integer(predicted)
     if gold_int is not None and predicted_int is not None:
         return gold_int == predicted_int

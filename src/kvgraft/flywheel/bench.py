@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 from kvgraft.core.errors import BadInputError
@@ -25,28 +26,67 @@ from kvgraft.engine.engine import Engine, GenerationResult
 from kvgraft.engine.verify import verify_receipt
 from kvgraft.flywheel.answers import answers_match, extract_answer
 from kvgraft.flywheel.datasets import Item
-from kvgraft.flywheel.energy import EnergyMeter
-from kvgraft.flywheel.problems import ANSWER_MARK, prompt_of
+from kvgraft.flywheel.energy import EnergyMeter, EnergyReading
+from kvgraft.flywheel.harvest import HarvestSummary
+from kvgraft.flywheel.problems import ANSWER_MARK, STOP, prompt_of
 from kvgraft.flywheel.stats import wilson_interval
+from kvgraft.format.metadata import GraftKind, GraftMetadata, HarvestCost
+from kvgraft.format.receipt import Receipt
 from kvgraft.library.library import Library
 
-RUNGS = ("bare", "grafted", "gated")
-SPLITS = ("seen", "unseen", "all")
-STOP = ("\n",)
+
+class Rung(StrEnum):
+    """A rung of the ladder: how a problem is answered."""
+
+    BARE = "bare"
+    GRAFTED = "grafted"
+    GATED = "gated"
 
 
-@dataclass(frozen=True)
+class Split(StrEnum):
+    """A subset of the problems: those with a verified solution in the library, those without, or all."""
+
+    SEEN = "seen"
+    UNSEEN = "unseen"
+    ALL = "all"
+
+
+class AnswerPath(StrEnum):
+    """The route an answer took: the model alone, a replay graft, or a context block."""
+
+    BARE = "bare"
+    REPLAY = GraftKind.REPLAY.value
+    BLOCK = GraftKind.BLOCK.value
+
+
+@dataclass(frozen=True, kw_only=True)
 class Gate:
+    """When the gated rung takes the grafted answer rather than the bare one."""
+
     min_match: float = 0.9
     """retrieval: 1.0 for a replay found by prompt hash; for a block, the word overlap with its best problem"""
     min_confidence: float = 0.5
     """the model's answer confidence: geometric-mean probability of the answer's tokens"""
 
+    def admits(self, answer: Answer) -> bool:
+        """Whether a grafted answer passes the gate.
 
-@dataclass
+        Args:
+            answer: the grafted rung's answer.
+
+        Returns:
+            True when it came from a graft and both its retrieval score and its confidence reach the thresholds.
+        """
+        if answer.path is AnswerPath.BARE or (answer.score or 0.0) < self.min_match:
+            return False
+        return answer.confidence >= self.min_confidence
+
+
+@dataclass(frozen=True, kw_only=True)
 class Answer:
-    path: str
-    """bare, replay or block"""
+    """One answer to one problem, as one rung gave it."""
+
+    path: AnswerPath
     answer: str | None
     correct: bool
     decode_tokens: int
@@ -60,24 +100,275 @@ class Answer:
     error: str | None = None
     """why no answer was produced (e.g. the prompt does not fit the model's positions); counted as wrong"""
 
+    def to_json(self) -> dict[str, Any]:
+        """Returns: every field by name (`path` as its string)."""
+        return asdict(self) | {"path": self.path.value}
 
-@dataclass
+
+@dataclass(frozen=True, kw_only=True)
+class Upstream:
+    """The replay graft a seen problem was answered with, and what producing its solution cost."""
+
+    graft_id: str
+    cost: HarvestCost | None
+    """None when the graft's metadata records no cost"""
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: {"graft_id", **cost} (the cost's keys as the graft's metadata holds them)."""
+        return {"graft_id": self.graft_id, **(self.cost.to_json() if self.cost else {})}
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProblemResult:
+    """One problem on every rung."""
+
     id: str
     seen: bool
     gold: str
     bare: Answer
     grafted: Answer
-    gated: Answer
+    gate_passed: bool
+    """whether the gate admitted the grafted answer (the gated rung's answer is then the grafted one)"""
     block_own: Answer | None = None
-    upstream: dict[str, Any] = field(default_factory=dict)
+    upstream: Upstream | None = None
 
-    def rung(self, name: str) -> Answer:
-        return {"bare": self.bare, "grafted": self.grafted, "gated": self.gated}[name]
+    @property
+    def gated(self) -> Answer:
+        """The gated rung's answer."""
+        return self.grafted if self.gate_passed else self.bare
+
+    def rung(self, rung: Rung) -> Answer:
+        """The answer on one rung."""
+        return {Rung.BARE: self.bare, Rung.GRAFTED: self.grafted, Rung.GATED: self.gated}[rung]
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: the problem's entry in a report's "problems"."""
+        return {
+            "id": self.id,
+            "seen": self.seen,
+            "gold": self.gold,
+            "bare": self.bare.to_json(),
+            "grafted": self.grafted.to_json(),
+            "gated": self.gated.to_json(),
+            "block_own": self.block_own.to_json() if self.block_own else None,
+            "upstream": self.upstream.to_json() if self.upstream else {},
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiptTally:
+    """The grafted answers' receipts, and how many a fresh rerun verified."""
+
+    total: int
+    verified: int | None
+    """None when the receipts were not rerun"""
+
+    @property
+    def all_verified(self) -> bool:
+        """Whether every receipt was rerun and verified."""
+        return self.verified == self.total
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: {"total", "verified"}."""
+        return {"total": self.total, "verified": self.verified}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LadderFacts:
+    """What a ladder run measured besides the answers."""
+
+    wall_s: float
+    """the ladder's wall time (receipt verification excluded)"""
+    energy: EnergyReading
+    receipts: ReceiptTally
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tally:
+    """Answers counted: on one rung and split, or the diagnostic `block_own` answers."""
+
+    n: int
+    correct: int
+    decode_tokens_total: int
+    ttft_s_total: float
+    wall_s: float
+
+    @classmethod
+    def of(cls, answers: list[Answer]) -> Tally:
+        """Count answers.
+
+        Args:
+            answers: the answers to count.
+
+        Returns:
+            Their tally.
+        """
+        return cls(
+            n=len(answers),
+            correct=sum(a.correct for a in answers),
+            decode_tokens_total=sum(a.decode_tokens for a in answers),
+            ttft_s_total=sum(a.ttft_s for a in answers),
+            wall_s=sum(a.wall_s for a in answers),
+        )
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.n if self.n else None
+
+    @property
+    def ci95(self) -> tuple[float, float]:
+        """The 95% Wilson interval of the accuracy ((0, 1) when there are no answers)."""
+        return wilson_interval(self.correct, self.n)
+
+    @property
+    def decode_tokens_mean(self) -> float | None:
+        return self.decode_tokens_total / self.n if self.n else None
+
+    @property
+    def ttft_s_mean(self) -> float | None:
+        return self.ttft_s_total / self.n if self.n else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: a ladder cell as reports hold it (the `block_own_solution` figures are its first five keys)."""
+        return {
+            "n": self.n,
+            "correct": self.correct,
+            "accuracy": self.accuracy,
+            "ci95": list(self.ci95),
+            "decode_tokens_mean": self.decode_tokens_mean,
+            "decode_tokens_total": self.decode_tokens_total,
+            "ttft_s_mean": self.ttft_s_mean,
+            "wall_s": self.wall_s,
+        }
+
+
+_BLOCK_OWN_KEYS = ("n", "correct", "accuracy", "ci95", "decode_tokens_mean")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpstreamFigures:
+    """The harvest cost behind the replay grafts a bench used, against the decode tokens they saved."""
+
+    grafts_used: int
+    harvest_tokens: int
+    """tokens generated to find the used grafts' solutions, failed attempts included"""
+    harvest_wall_s: float
+    seen_grafted_tokens: int
+    """decode tokens of the grafted rung on seen problems"""
+    seen_bare_tokens: int
+    """decode tokens of the bare rung on seen problems"""
+    uses_per_graft: int = 1
+    """a bench asks each problem once"""
+
+    @property
+    def amortized_tokens_per_use(self) -> float | None:
+        return self.harvest_tokens / self.grafts_used if self.grafts_used else None
+
+    @property
+    def seen_grafted_tokens_including_upstream(self) -> int:
+        return self.seen_grafted_tokens + self.harvest_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: a report's "upstream" (without "harvest_all", which the summary adds)."""
+        return {
+            "grafts_used": self.grafts_used,
+            "harvest_tokens": self.harvest_tokens,
+            "harvest_wall_s": self.harvest_wall_s,
+            "uses_per_graft": self.uses_per_graft,
+            "amortized_tokens_per_use": self.amortized_tokens_per_use,
+            "seen_grafted_tokens_including_upstream": self.seen_grafted_tokens_including_upstream,
+            "seen_bare_tokens": self.seen_bare_tokens,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSummary:
+    """A bench run's results: rungs x splits, token ratios, upstream cost, receipts, energy, every problem.
+
+    `summarize` fills the figures; the labels below it (model, dataset, retriever, harvest, report) are set by
+    whoever ran the bench (`dataclasses.replace`) and appear in the JSON only when set.
+    """
+
+    budget: int
+    """the most new tokens per answer"""
+    gate: Gate
+    rungs: Mapping[Rung, Mapping[Split, Tally]]
+    block_own: Tally
+    upstream: UpstreamFigures
+    energy: EnergyReading
+    wall_s: float
+    receipts: ReceiptTally
+    problems: tuple[ProblemResult, ...]
+    model: str | None = None
+    dataset: str | None = None
+    retriever: str | None = None
+    harvest: HarvestSummary | None = None
+    """the whole harvest behind the library, failures included (a flywheel run knows it)"""
+    report: str | None = None
+    """the markdown report's absolute path, once written"""
+
+    @property
+    def token_budget_total(self) -> int:
+        return self.budget * len(self.problems)
+
+    @property
+    def errors(self) -> int:
+        """Bare and grafted answers that could not be produced."""
+        return sum(a.error is not None for r in self.problems for a in (r.bare, r.grafted))
+
+    def cell(self, rung: Rung, split: Split) -> Tally:
+        """The tally of one rung on one split."""
+        return self.rungs[rung][split]
+
+    def token_ratio(self, split: Split, rung: Rung) -> float | None:
+        """Bare decode tokens over this rung's on one split (None when the rung decoded none)."""
+        total = self.cell(rung, split).decode_tokens_total
+        return self.cell(Rung.BARE, split).decode_tokens_total / total if total else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: the results object of `kvgraft bench --json`, `kvgraft demo --json` and results.json."""
+        upstream = self.upstream.to_json()
+        if self.harvest is not None:
+            upstream["harvest_all"] = self.harvest.totals_json()
+        data: dict[str, Any] = {
+            "budget": self.budget,
+            "token_budget_total": self.token_budget_total,
+            "gate": asdict(self.gate),
+            "rungs": {rung.value: {split.value: self.cell(rung, split).to_json() for split in Split} for rung in Rung},
+            "bare_over_rung_decode_tokens": {
+                split.value: {rung.value: self.token_ratio(split, rung) for rung in (Rung.GRAFTED, Rung.GATED)}
+                for split in Split
+            },
+            "block_own_solution": {key: self.block_own.to_json()[key] for key in _BLOCK_OWN_KEYS},
+            "upstream": upstream,
+            "energy": self.energy.to_json(),
+            "wall_s": self.wall_s,
+            "receipts": self.receipts.to_json(),
+            "errors": self.errors,
+            "problems": [problem.to_json() for problem in self.problems],
+        }
+        labels = {"model": self.model, "dataset": self.dataset, "retriever": self.retriever}
+        data |= {key: value for key, value in labels.items() if value is not None}
+        if self.harvest is not None:
+            data["harvest"] = self.harvest.to_json()
+        if self.report is not None:
+            data["report"] = self.report
+        return data
 
 
 def answer_confidence(engine: Engine, result: GenerationResult, answer_only: bool) -> float:
-    """exp(mean log-probability) of the tokens that spell the answer (after the answer mark; stop token excluded)."""
+    """How sure the model was of its answer.
+
+    Args:
+        engine: the engine that generated `result` (its tokenizer spells the tokens).
+        result: a generation with per-token log-probabilities.
+        answer_only: True when every output token spells the answer (a replay decodes only the answer);
+            otherwise the answer starts after the answer mark.
+
+    Returns:
+        exp(mean log-probability) of the tokens that spell the answer (stop and blank tokens excluded); 0.0 when
+        there are none.
+    """
     tokens, logprobs = result.output_tokens, result.generation.token_logprobs
     start = 0
     if not answer_only:
@@ -94,12 +385,14 @@ def answer_confidence(engine: Engine, result: GenerationResult, answer_only: boo
 
 
 def _ask(
-    engine: Engine, item: Item, budget: int, path: str, graft_id: str | None, score: float | None
+    engine: Engine, item: Item, budget: int, path: AnswerPath, graft_id: str | None, score: float | None
 ) -> tuple[Answer, GenerationResult | None]:
+    """Ask one problem one way; a prompt that cannot be run gives a wrong answer with its error (and no result)."""
     params = SamplingParams(max_new_tokens=budget, stop=STOP)
     started = time.perf_counter()
     try:
-        if path == "replay":
+        if path is AnswerPath.REPLAY:
+            # The graft ends at the answer mark: the model continues with the answer alone.
             result = engine.generate("", graft_id=graft_id, params=params)
             text = ANSWER_MARK + result.text
         else:
@@ -107,7 +400,19 @@ def _ask(
             text = result.text
     except BadInputError as exc:
         wall = time.perf_counter() - started
-        return Answer(path, None, False, 0, 0.0, wall, 0.0, graft_id, score, error=str(exc)), None
+        failed = Answer(
+            path=path,
+            answer=None,
+            correct=False,
+            decode_tokens=0,
+            ttft_s=0.0,
+            wall_s=wall,
+            confidence=0.0,
+            graft_id=graft_id,
+            score=score,
+            error=str(exc),
+        )
+        return failed, None
     predicted = extract_answer(text)
     answer = Answer(
         path=path,
@@ -116,7 +421,7 @@ def _ask(
         decode_tokens=len(result.output_tokens),
         ttft_s=result.timings["ttft_s"],
         wall_s=time.perf_counter() - started,
-        confidence=answer_confidence(engine, result, answer_only=path == "replay"),
+        confidence=answer_confidence(engine, result, answer_only=path is AnswerPath.REPLAY),
         graft_id=graft_id,
         score=score,
         receipt_id=result.receipt.id if graft_id else None,
@@ -125,6 +430,41 @@ def _ask(
 
 
 ProblemCallback = Callable[[int, int], None]
+"""called after each problem with (problems done, problems in all)"""
+
+
+def _ask_problem(
+    engine: Engine, item: Item, library: Library, budget: int, gate: Gate, block_owner: dict[str, str]
+) -> tuple[ProblemResult, Receipt | None]:
+    """One problem on every rung; returns its result and the grafted answer's receipt (None when bare)."""
+    bare, _ = _ask(engine, item, budget, AnswerPath.BARE, None, None)
+    replay = library.find_replay(engine.encode_context(prompt_of(item.problem)))
+    hits = [] if replay else library.search_blocks(item.problem, k=1)
+    grafted, receipt = bare, None
+    if replay or hits:
+        path, graft_id, score = (
+            (AnswerPath.REPLAY, replay, 1.0) if replay else (AnswerPath.BLOCK, hits[0].graft_id, hits[0].match)
+        )
+        grafted, result = _ask(engine, item, budget, path, graft_id, score)
+        receipt = result.receipt if result is not None else None
+    seen = library.holds(item.text_sha256)
+    block_own = None
+    if seen and item.id in block_owner:
+        block_own, _ = _ask(engine, item, budget, AnswerPath.BLOCK, block_owner[item.id], 1.0)
+    upstream = None
+    if replay:
+        upstream = Upstream(graft_id=replay, cost=GraftMetadata.read(engine.store.manifest(replay).metadata).cost)
+    problem = ProblemResult(
+        id=item.id,
+        seen=seen,
+        gold=item.answer,
+        bare=bare,
+        grafted=grafted,
+        gate_passed=gate.admits(grafted),
+        block_own=block_own,
+        upstream=upstream,
+    )
+    return problem, receipt
 
 
 def run_ladder(
@@ -135,113 +475,84 @@ def run_ladder(
     gate: Gate | None = None,
     verify_receipts: bool = True,
     on_problem: ProblemCallback | None = None,
-) -> tuple[list[ProblemResult], dict[str, Any]]:
-    """Ask every problem on every rung; returns per-problem results and run facts (receipts, energy, wall time)."""
+) -> tuple[list[ProblemResult], LadderFacts]:
+    """Ask every problem on every rung, then rerun every grafted answer's receipt fresh.
+
+    Args:
+        engine: the model (its store holds the library's grafts).
+        items: the problems, with gold answers.
+        library: the grafts to answer with.
+        budget: the most new tokens per answer.
+        gate: the gated rung's thresholds (default `Gate()`).
+        verify_receipts: rerun each grafted answer fresh and record whether it is equal.
+        on_problem: progress callback.
+
+    Returns:
+        One result per item, in order, and the run's facts (receipts, energy, wall time).
+    """
     gate = gate or Gate()
     meter = EnergyMeter(engine.model.device.type)
     meter.start()
     started = time.perf_counter()
-    results, receipts = [], []
     block_owner = {problem_id: graft_id for graft_id, problem_id, _ in library.block_entries}
+    asked = []
     for index, item in enumerate(items):
-        bare, _ = _ask(engine, item, budget, "bare", None, None)
-        replay = library.find_replay(engine.encode_context(prompt_of(item.problem)))
-        hits = [] if replay else library.search_blocks(item.problem, k=1)
-        if replay or hits:
-            path, graft_id, score = ("replay", replay, 1.0) if replay else ("block", hits[0].graft_id, hits[0].match)
-            grafted, result = _ask(engine, item, budget, path, graft_id, score)
-            if result is not None:
-                receipts.append((grafted, result))
-        else:
-            grafted = bare
-        passes = grafted.path != "bare" and (grafted.score or 0.0) >= gate.min_match
-        gated = grafted if passes and grafted.confidence >= gate.min_confidence else bare
-        seen = library.holds(item.text_sha256)
-        block_own = None
-        if seen and item.id in block_owner:
-            block_own, _ = _ask(engine, item, budget, "block", block_owner[item.id], 1.0)
-        upstream = {}
-        if replay:
-            cost = engine.store.manifest(replay).metadata.get("cost", {})
-            upstream = {"graft_id": replay, **cost}
-        results.append(ProblemResult(item.id, seen, item.answer, bare, grafted, gated, block_own, upstream))
+        asked.append(_ask_problem(engine, item, library, budget, gate, block_owner))
         if on_problem is not None:
             on_problem(index + 1, len(items))
     bench_wall = time.perf_counter() - started
     energy = meter.stop()
-    verified = 0
+    results = [result for result, _ in asked]
+    verified = None
     if verify_receipts:
-        for answer, result in receipts:
-            answer.receipt_verified = verify_receipt(engine, result.receipt).exact
-            verified += bool(answer.receipt_verified)
-    facts = {
-        "wall_s": bench_wall,
-        "energy": energy.to_json(),
-        "receipts": {"total": len(receipts), "verified": verified if verify_receipts else None},
-        "receipt_objects": [result.receipt.to_json() for _, result in receipts],
-    }
-    return results, facts
+        results = [
+            result if receipt is None else _receipt_checked(result, verify_receipt(engine, receipt).exact)
+            for result, receipt in asked
+        ]
+        verified = sum(bool(result.grafted.receipt_verified) for result in results)
+    tally = ReceiptTally(total=sum(receipt is not None for _, receipt in asked), verified=verified)
+    return results, LadderFacts(wall_s=bench_wall, energy=energy, receipts=tally)
 
 
-def summarize(results: list[ProblemResult], budget: int, facts: dict[str, Any], gate: Gate) -> dict[str, Any]:
-    """The results object: rungs x splits, token ratios, upstream cost amortized, receipts, energy."""
-    rungs: dict[str, Any] = {}
-    for rung in RUNGS:
-        rungs[rung] = {}
-        for split in SPLITS:
-            chosen = [r for r in results if split == "all" or r.seen == (split == "seen")]
-            answers = [r.rung(rung) for r in chosen]
-            correct = sum(a.correct for a in answers)
-            n = len(answers)
-            total = sum(a.decode_tokens for a in answers)
-            rungs[rung][split] = {
-                "n": n,
-                "correct": correct,
-                "accuracy": correct / n if n else None,
-                "ci95": list(wilson_interval(correct, n)),
-                "decode_tokens_mean": total / n if n else None,
-                "decode_tokens_total": total,
-                "ttft_s_mean": sum(a.ttft_s for a in answers) / n if n else None,
-                "wall_s": sum(a.wall_s for a in answers),
-            }
-    ratios = {}
-    for split in SPLITS:
-        bare_total = rungs["bare"][split]["decode_tokens_total"]
-        ratios[split] = {
-            rung: (bare_total / rungs[rung][split]["decode_tokens_total"])
-            if rungs[rung][split]["decode_tokens_total"]
-            else None
-            for rung in ("grafted", "gated")
+def _receipt_checked(result: ProblemResult, exact: bool) -> ProblemResult:
+    return replace(result, grafted=replace(result.grafted, receipt_verified=exact))
+
+
+def summarize(results: list[ProblemResult], budget: int, facts: LadderFacts, gate: Gate) -> BenchSummary:
+    """Count a ladder run.
+
+    Args:
+        results: `run_ladder`'s results.
+        budget: the most new tokens per answer the run used.
+        facts: `run_ladder`'s facts.
+        gate: the gate the run used.
+
+    Returns:
+        The summary, unlabelled (set model, dataset and the rest with `dataclasses.replace`).
+    """
+    rungs = {
+        rung: {
+            split: Tally.of([r.rung(rung) for r in results if split is Split.ALL or r.seen == (split is Split.SEEN)])
+            for split in Split
         }
-    own = [r.block_own for r in results if r.block_own is not None]
-    seen = [r for r in results if r.seen and r.upstream]
-    upstream_tokens = sum(int(r.upstream.get("tokens_generated", 0)) for r in seen)
-    upstream_wall = sum(float(r.upstream.get("wall_s", 0.0)) for r in seen)
-    return {
-        "budget": budget,
-        "token_budget_total": budget * len(results),
-        "gate": asdict(gate),
-        "rungs": rungs,
-        "bare_over_rung_decode_tokens": ratios,
-        "block_own_solution": {
-            "n": len(own),
-            "correct": sum(a.correct for a in own),
-            "accuracy": sum(a.correct for a in own) / len(own) if own else None,
-            "ci95": list(wilson_interval(sum(a.correct for a in own), len(own))),
-            "decode_tokens_mean": sum(a.decode_tokens for a in own) / len(own) if own else None,
-        },
-        "upstream": {
-            "grafts_used": len(seen),
-            "harvest_tokens": upstream_tokens,
-            "harvest_wall_s": upstream_wall,
-            "uses_per_graft": 1,
-            "amortized_tokens_per_use": upstream_tokens / len(seen) if seen else None,
-            "seen_grafted_tokens_including_upstream": rungs["grafted"]["seen"]["decode_tokens_total"] + upstream_tokens,
-            "seen_bare_tokens": rungs["bare"]["seen"]["decode_tokens_total"],
-        },
-        "energy": facts["energy"],
-        "wall_s": facts["wall_s"],
-        "receipts": facts["receipts"],
-        "errors": sum(a.error is not None for r in results for a in (r.bare, r.grafted)),
-        "problems": [asdict(r) for r in results],
+        for rung in Rung
     }
+    used = [r.upstream for r in results if r.seen and r.upstream is not None]
+    upstream = UpstreamFigures(
+        grafts_used=len(used),
+        harvest_tokens=sum(u.cost.tokens_generated if u.cost else 0 for u in used),
+        harvest_wall_s=sum(u.cost.wall_s if u.cost and u.cost.wall_s is not None else 0.0 for u in used),
+        seen_grafted_tokens=rungs[Rung.GRAFTED][Split.SEEN].decode_tokens_total,
+        seen_bare_tokens=rungs[Rung.BARE][Split.SEEN].decode_tokens_total,
+    )
+    return BenchSummary(
+        budget=budget,
+        gate=gate,
+        rungs=rungs,
+        block_own=Tally.of([r.block_own for r in results if r.block_own is not None]),
+        upstream=upstream,
+        energy=facts.energy,
+        wall_s=facts.wall_s,
+        receipts=facts.receipts,
+        problems=tuple(results),
+    )

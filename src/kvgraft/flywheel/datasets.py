@@ -26,12 +26,23 @@ class Item:
 
     @property
     def text_sha256(self) -> Sha256Hex:
+        """SHA-256 of the problem text's UTF-8 bytes (what marks a problem seen)."""
         return sha256_bytes(self.problem.encode())
 
 
 def load_dataset(name: str) -> list[Item]:
-    """`demo` (the 30-problem demo exam), a bundled set by name (aime2025, aime2024, amc2023, math500), or a path
-    to a JSONL file with `problem` and `answer` fields (`id` and `solution` optional)."""
+    """Load a problem set.
+
+    Args:
+        name: `demo` (the 30-problem demo exam), a bundled set by name (aime2025, aime2024, amc2023, math500), or
+            a path to a JSONL file with `problem` and `answer` fields (`id` and `solution` optional).
+
+    Returns:
+        The problems, in file order.
+
+    Raises:
+        BadInputError: an unknown name, a malformed line, or a file without problems.
+    """
     if name == DEMO_EXAM:
         return [Item(p.id, p.text, str(p.answer), p.solution) for p in exam_problems()]
     if name in BUNDLED:

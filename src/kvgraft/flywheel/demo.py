@@ -18,11 +18,14 @@ DEMO_PROMPT = "\n\nIn one sentence, the rule of thumb:"
 
 
 def bundled_text() -> str:
+    """Returns: the text the exactness demo builds its graft from (kvgraft/data/demo_text.txt)."""
     return resources.files("kvgraft").joinpath("data/demo_text.txt").read_text(encoding="utf-8")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoReport:
+    """What the exactness demo built, ran and verified."""
+
     model: str
     graft_id: str
     graft_tokens: int
@@ -39,9 +42,11 @@ class DemoReport:
 
     @property
     def exact(self) -> bool:
+        """Whether both the graft and the grafted run were proven equal to a fresh recompute."""
         return self.graft_verified and self.receipt_verified
 
     def to_json(self) -> dict[str, Any]:
+        """Returns: every field, plus `ttft_speedup` (recomputed over restored) and `exact`."""
         speedup = self.ttft_recomputed_s / self.ttft_restored_s if self.ttft_restored_s else None
         return asdict(self) | {"ttft_speedup": speedup, "exact": self.exact}
 
@@ -49,6 +54,17 @@ class DemoReport:
 def run_demo(
     store: Path, model: str = DEMO_MODEL, max_new_tokens: int = 32, on_chunk: ChunkCallback | None = None
 ) -> DemoReport:
+    """Build a graft of the bundled text, generate after it, and verify the graft and the run against fresh ones.
+
+    Args:
+        store: the store directory the graft goes to.
+        model: the model spec.
+        max_new_tokens: the most tokens to generate.
+        on_chunk: progress callback for the build.
+
+    Returns:
+        The report.
+    """
     engine = Engine.load(model, store=str(store))
     t0 = time.perf_counter()
     put = engine.put(bundled_text(), metadata={"title": "demo text"}, on_chunk=on_chunk)

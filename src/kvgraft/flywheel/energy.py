@@ -12,17 +12,29 @@ from typing import Any
 _RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class EnergyReading:
+    """Energy used between a meter's start and stop."""
+
     joules: float | None
+    """None when no counter could be read"""
     source: str
+    """the counter read ("nvml", "rapl"), or why none was ("not measured (...)")"""
 
     def to_json(self) -> dict[str, Any]:
+        """Returns: {"joules", "source"}."""
         return {"joules": self.joules, "source": self.source}
 
 
 class EnergyMeter:
+    """Reads an energy counter at start and stop (NVML on a CUDA device, else RAPL when readable)."""
+
     def __init__(self, device: str = "cpu") -> None:
+        """Pick the counter for a device.
+
+        Args:
+            device: a torch device type ("cuda", "cpu", ...).
+        """
         self._read, self.source = self._pick(device)
         self._start: float | None = None
 
@@ -44,9 +56,11 @@ class EnergyMeter:
             return None, "not measured (no readable powercap/RAPL counter)"
 
     def start(self) -> None:
+        """Read the counter: the reading `stop` subtracts."""
         self._start = self._read() if self._read else None
 
     def stop(self) -> EnergyReading:
+        """Returns: the energy used since `start` (joules None when there is no counter)."""
         if self._read is None or self._start is None:
-            return EnergyReading(None, self.source)
-        return EnergyReading(self._read() - self._start, self.source)
+            return EnergyReading(joules=None, source=self.source)
+        return EnergyReading(joules=self._read() - self._start, source=self.source)

@@ -11,25 +11,28 @@ generated, wall time). `import_solutions` stores given worked solutions instead,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvgraft.core.errors import BadInputError
-from kvgraft.core.hashing import sha256_token_ids
+from kvgraft.core.hashing import GraftId, sha256_token_ids
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.flywheel.answers import answers_match, extract_answer
 from kvgraft.flywheel.datasets import Item
-from kvgraft.flywheel.problems import ANSWER_MARK, prompt_of
+from kvgraft.flywheel.problems import ANSWER_MARK, STOP, prompt_of
+from kvgraft.format.metadata import BlockMetadata, HarvestCost, ProblemRef, ReplayMetadata, SolutionSource
 from kvgraft.models.loading import max_positions
 
-STOP = ("\n",)
 ItemCallback = Callable[[int, int], None]
+"""called after each item with (items done, items in all)"""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HarvestRecord:
+    """What harvest did with one problem."""
+
     problem_id: str
     problem_sha256: str
     verified: bool
@@ -37,38 +40,98 @@ class HarvestRecord:
     tokens_generated: int
     wall_s: float
     build_s: float
-    graft_id: str | None
+    graft_id: GraftId | None
     solution: str | None
-    source: str
+    source: SolutionSource
     error: str | None = None
     """why the problem could not be tried or stored (e.g. longer than the model's positions)"""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Returns: every field by name (`source` as its string)."""
+        return asdict(self) | {"source": self.source.value}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarvestSummary:
+    """A harvest in figures (the JSON of `kvgraft harvest`, and a flywheel report's "harvest")."""
+
+    problems: int
+    verified: int
+    errors: int
+    replay_grafts: tuple[str, ...]
+    blocks: tuple[str, ...]
+    attempts: int
+    tokens_generated: int
+    wall_s: float
+
+    @classmethod
+    def of(cls, records: Sequence[HarvestRecord], blocks: Sequence[str], wall_s: float) -> HarvestSummary:
+        """Sum up a harvest.
+
+        Args:
+            records: one per problem, from `harvest` or `import_solutions`.
+            blocks: the ids `build_blocks` returned.
+            wall_s: the harvest's wall time, graft building included.
+
+        Returns:
+            The summary.
+        """
+        return cls(
+            problems=len(records),
+            verified=sum(r.verified for r in records),
+            errors=sum(r.error is not None for r in records),
+            replay_grafts=tuple(r.graft_id for r in records if r.graft_id),
+            blocks=tuple(blocks),
+            attempts=sum(r.attempts for r in records),
+            tokens_generated=sum(r.tokens_generated for r in records),
+            wall_s=wall_s,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: every field by name (the id tuples as lists)."""
+        return asdict(self) | {"replay_grafts": list(self.replay_grafts), "blocks": list(self.blocks)}
+
+    def totals_json(self) -> dict[str, Any]:
+        """Returns: the whole harvest's cost, as a report's "upstream" → "harvest_all" holds it."""
+        return {
+            "problems_tried": self.problems,
+            "verified": self.verified,
+            "attempts": self.attempts,
+            "tokens_generated": self.tokens_generated,
+            "wall_s": self.wall_s,
+        }
 
 
 def replay_text(item: Item, solution: str) -> str:
-    """Prompt plus verified solution, cut right after the last answer mark (added when the solution has none)."""
+    """The text of a replay graft.
+
+    Args:
+        item: the problem.
+        solution: its verified worked solution.
+
+    Returns:
+        The prompt plus the solution, cut right after its last answer mark (added when the solution has none).
+    """
     at = solution.rfind(ANSWER_MARK)
     reasoning = solution[: at + len(ANSWER_MARK)] if at >= 0 else f"{solution.rstrip()}\n{ANSWER_MARK}"
     return prompt_of(item.problem) + reasoning
 
 
 def _store_replay(
-    engine: Engine, item: Item, solution: str, cost: dict[str, Any], source: str, check: bool
-) -> tuple[str, float]:
+    engine: Engine, item: Item, solution: str, cost: HarvestCost, source: SolutionSource, check: bool
+) -> tuple[GraftId, float]:
+    """Store a verified solution as a replay graft; returns its id and the seconds the put took."""
     started = time.perf_counter()
-    metadata = {
-        "kind": "replay",
-        "problem_id": item.id,
-        "problem_sha256": item.text_sha256,
-        "prompt_tokens_sha256": sha256_token_ids(engine.encode_context(prompt_of(item.problem))),
-        "answer": item.answer,
-        "solution": solution,
-        "source": source,
-        "cost": cost,
-    }
-    put = engine.put(replay_text(item, solution), metadata=metadata, check=check)
+    metadata = ReplayMetadata(
+        problem_id=item.id,
+        problem_sha256=item.text_sha256,
+        prompt_tokens_sha256=sha256_token_ids(engine.encode_context(prompt_of(item.problem))),
+        answer=item.answer,
+        solution=solution,
+        source=source,
+        cost=cost,
+    )
+    put = engine.put(replay_text(item, solution), metadata=metadata.to_json(), check=check)
     return put.id, time.perf_counter() - started
 
 
@@ -82,11 +145,24 @@ def harvest(
     on_item: ItemCallback | None = None,
     check: bool = True,
 ) -> list[HarvestRecord]:
-    """Solve each item with up to `attempts` sampled tries of at most `budget` new tokens; store verified ones.
+    """Solve each item with sampled tries and store each verified solution as a replay graft.
 
     A problem that cannot be tried (longer than the model's positions) is recorded with its error, not raised.
-    `check` computes each stored graft's new blocks twice and refuses to store them unless the two agree in every
-    bit (`Engine.put(check=True)`): a verified solution is only worth keeping if its state is exact."""
+
+    Args:
+        engine: the model and the store the grafts go to.
+        items: the problems, with gold answers.
+        attempts: the most tries per problem.
+        budget: the most new tokens per try.
+        temperature: sampling temperature.
+        seed: the first try's seed (each problem and try gets its own, derived from it).
+        on_item: progress callback.
+        check: compute each stored graft's new blocks twice and refuse to store them unless the two agree in
+            every bit (`Engine.put(check=True)`): a verified solution is only worth keeping if its state is exact.
+
+    Returns:
+        One record per item, in order.
+    """
     records = []
     for index, item in enumerate(items):
         started = time.perf_counter()
@@ -94,9 +170,7 @@ def harvest(
             records.append(_solve(engine, item, attempts, budget, temperature, seed + 7919 * index, check))
         except BadInputError as exc:
             wall = time.perf_counter() - started
-            records.append(
-                HarvestRecord(item.id, item.text_sha256, False, 0, 0, wall, 0.0, None, None, "model", str(exc))
-            )
+            records.append(_unsolved(item, SolutionSource.MODEL, wall_s=wall, error=str(exc)))
         if on_item is not None:
             on_item(index + 1, len(items))
     return records
@@ -115,33 +189,80 @@ def _solve(
             solution = result.text
             break
     wall = time.perf_counter() - started
-    graft_id, build_s = None, 0.0
+    graft_id: GraftId | None = None
+    build_s = 0.0
     if solution is not None:
-        cost = {"attempts": tries, "tokens_generated": tokens, "wall_s": round(wall, 4)}
-        graft_id, build_s = _store_replay(engine, item, solution, cost, "model", check)
-    verified = solution is not None
-    return HarvestRecord(item.id, item.text_sha256, verified, tries, tokens, wall, build_s, graft_id, solution, "model")
+        cost = HarvestCost(attempts=tries, tokens_generated=tokens, wall_s=round(wall, 4))
+        graft_id, build_s = _store_replay(engine, item, solution, cost, SolutionSource.MODEL, check)
+    return HarvestRecord(
+        problem_id=item.id,
+        problem_sha256=item.text_sha256,
+        verified=solution is not None,
+        attempts=tries,
+        tokens_generated=tokens,
+        wall_s=wall,
+        build_s=build_s,
+        graft_id=graft_id,
+        solution=solution,
+        source=SolutionSource.MODEL,
+    )
+
+
+def _unsolved(item: Item, source: SolutionSource, wall_s: float, error: str) -> HarvestRecord:
+    return HarvestRecord(
+        problem_id=item.id,
+        problem_sha256=item.text_sha256,
+        verified=False,
+        attempts=0,
+        tokens_generated=0,
+        wall_s=wall_s,
+        build_s=0.0,
+        graft_id=None,
+        solution=None,
+        source=source,
+        error=error,
+    )
 
 
 def import_solutions(
     engine: Engine, items: list[Item], on_item: ItemCallback | None = None, check: bool = True
 ) -> list[HarvestRecord]:
-    """Store the given worked solutions as replay grafts, each only if its final answer checks against the gold
-    (and, with `check`, only if its state computes to the same bits twice, as in `harvest`)."""
+    """Store the items' own worked solutions as replay grafts, each only if its final answer checks against the gold.
+
+    Args:
+        engine: the model and the store the grafts go to.
+        items: the problems, with gold answers and worked solutions (an item without one is not verified).
+        on_item: progress callback.
+        check: as in `harvest`: store a graft only if its state computes to the same bits twice.
+
+    Returns:
+        One record per item, in order (a solution that cannot be stored is not verified, with its error).
+    """
     records = []
     for index, item in enumerate(items):
         solution = item.solution
         verified = bool(solution) and answers_match(item.answer, _final_answer(solution or ""))
-        graft_id, build_s, error = None, 0.0, None
+        graft_id: GraftId | None = None
+        build_s, error = 0.0, None
         if verified and solution:
             try:
-                cost = {"attempts": 0, "tokens_generated": 0}
-                graft_id, build_s = _store_replay(engine, item, solution, cost, "imported", check)
+                cost = HarvestCost(attempts=0, tokens_generated=0)
+                graft_id, build_s = _store_replay(engine, item, solution, cost, SolutionSource.IMPORTED, check)
             except BadInputError as exc:
                 verified, error = False, str(exc)
         records.append(
             HarvestRecord(
-                item.id, item.text_sha256, verified, 0, 0, 0.0, build_s, graft_id, solution, "imported", error
+                problem_id=item.id,
+                problem_sha256=item.text_sha256,
+                verified=verified,
+                attempts=0,
+                tokens_generated=0,
+                wall_s=0.0,
+                build_s=build_s,
+                graft_id=graft_id,
+                solution=solution,
+                source=SolutionSource.IMPORTED,
+                error=error,
             )
         )
         if on_item is not None:
@@ -170,9 +291,19 @@ def _final_answer(solution: str) -> str | None:
 
 def build_blocks(
     engine: Engine, records: list[HarvestRecord], items: list[Item], reserve: int = 256, check: bool = True
-) -> list[str]:
-    """Pack verified solutions into context blocks of at most (window - reserve) tokens; returns their ids.
-    `check` as in `harvest`."""
+) -> list[GraftId]:
+    """Pack verified solutions into context blocks that fit the model's window, and store them.
+
+    Args:
+        engine: the model and the store the blocks go to.
+        records: harvest records; the verified ones are packed, in order.
+        items: the problems the records name.
+        reserve: tokens each block leaves free for a query and its answer.
+        check: as in `harvest`.
+
+    Returns:
+        The blocks' graft ids.
+    """
     window = max_positions(engine.model) or 2048
     limit = window - reserve
     by_id = {item.id: item for item in items}
@@ -189,11 +320,15 @@ def build_blocks(
             used = 1
         blocks[-1].append((item, record.solution))
         used += size
-    ids = []
+    ids: list[GraftId] = []
     for block in blocks:
         if not block:
             continue
         text = "".join(prompt_of(item.problem) + solution + "\n" for item, solution in block)
-        problems = [{"id": item.id, "problem_sha256": item.text_sha256, "text": item.problem} for item, _ in block]
-        ids.append(engine.put(text, metadata={"kind": "block", "problems": problems}, check=check).id)
+        metadata = BlockMetadata(
+            problems=tuple(
+                ProblemRef(id=item.id, problem_sha256=item.text_sha256, text=item.problem) for item, _ in block
+            )
+        )
+        ids.append(engine.put(text, metadata=metadata.to_json(), check=check).id)
     return ids

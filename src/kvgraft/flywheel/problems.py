@@ -18,6 +18,8 @@ from kvgraft.core.hashing import Sha256Hex, sha256_bytes
 EXAM_SEED = 20251130
 EXAM_SIZE = 30
 ANSWER_MARK = "Answer:"
+STOP = ("\n",)
+"""what ends a worked solution and an answer: the model writes each on one line"""
 
 _NAMES = ["Ada", "Ben", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned", "Oli", "Pam"]
 _ITEMS = ["cards", "coins", "apples", "pens", "stamps", "shells", "beads", "books", "eggs", "nuts", "rocks", "cups"]
@@ -36,6 +38,7 @@ class Problem:
 
     @property
     def text_sha256(self) -> Sha256Hex:
+        """SHA-256 of the problem text's UTF-8 bytes (what marks a problem seen)."""
         return sha256_bytes(self.text.encode())
 
 
@@ -59,12 +62,27 @@ class Story:
 
 
 def prompt_of(text: str) -> str:
-    """The exact prompt the model is asked for a problem: `Q:<problem>\\nA:`."""
+    """The exact prompt the model is asked for a problem.
+
+    Args:
+        text: the problem text.
+
+    Returns:
+        `Q:<problem>\\nA:`.
+    """
     return f"Q:{text}\nA:"
 
 
 def render(story: Story, problem_id: str = "") -> Problem:
-    """Text and worked solution of a story; a loss larger than the count becomes a gain, so counts stay >= 0."""
+    """Write a story out as a problem; a loss larger than the count becomes a gain, so counts stay >= 0.
+
+    Args:
+        story: the story.
+        problem_id: the problem's id.
+
+    Returns:
+        The problem: its text, integer answer and worked solution.
+    """
     value = story.start
     sentences = [f"{story.name} has {value} {story.item}."]
     steps: list[str] = []
@@ -86,7 +104,15 @@ def render(story: Story, problem_id: str = "") -> Problem:
 
 
 def draw_story(rng: random.Random, difficulty: int = 1) -> Story:
-    """Difficulty 1: 2-3 events, numbers below 60; difficulty 2: 3-4 events, larger numbers."""
+    """Draw a random story.
+
+    Args:
+        rng: the source of randomness (the draw is deterministic given its state).
+        difficulty: 1: 2-3 events, numbers below 60; 2: 3-4 events, larger numbers.
+
+    Returns:
+        The story.
+    """
     n_events = rng.randint(2, 3) if difficulty <= 1 else rng.randint(3, 4)
     events = []
     for _ in range(n_events):
@@ -98,7 +124,15 @@ def draw_story(rng: random.Random, difficulty: int = 1) -> Story:
 
 
 def near_miss(story: Story, rng: random.Random) -> Story:
-    """The same story with one number changed: reading the original's solution would give a wrong answer."""
+    """The same story with one number changed: reading the original's solution would give a wrong answer.
+
+    Args:
+        story: the original story.
+        rng: picks the number and the change.
+
+    Returns:
+        The changed story.
+    """
     which = rng.randrange(len(story.events) + 1)
     if which == len(story.events):
         return replace(story, start=story.start + rng.choice([-3, -2, -1, 1, 2, 3]))
@@ -109,6 +143,15 @@ def near_miss(story: Story, rng: random.Random) -> Story:
 
 
 def exam_stories(size: int = EXAM_SIZE, difficulty: int = 1) -> list[Story]:
+    """The exam's stories, drawn from EXAM_SEED.
+
+    Args:
+        size: how many (distinct texts).
+        difficulty: as in `draw_story`.
+
+    Returns:
+        The stories, in exam order.
+    """
     rng = random.Random(EXAM_SEED)
     stories: list[Story] = []
     texts: set[str] = set()
@@ -122,11 +165,29 @@ def exam_stories(size: int = EXAM_SIZE, difficulty: int = 1) -> list[Story]:
 
 
 def exam_problems(size: int = EXAM_SIZE, difficulty: int = 1) -> list[Problem]:
+    """The exam (30 problems by default: the demo's).
+
+    Args:
+        size: how many problems.
+        difficulty: as in `draw_story`.
+
+    Returns:
+        The problems, with ids `exam-00`, `exam-01`, ...
+    """
     return [render(story, f"exam-{i:02d}") for i, story in enumerate(exam_stories(size, difficulty))]
 
 
 def training_stories(seed: int, count: int, difficulty: int = 1) -> list[Story]:
-    """`count` stories from `seed`, none of whose text hash is an exam problem's."""
+    """Training stories, none of whose text hash is an exam problem's.
+
+    Args:
+        seed: the draw's seed.
+        count: how many.
+        difficulty: as in `draw_story`.
+
+    Returns:
+        The stories.
+    """
     exam = {p.text_sha256 for p in exam_problems(difficulty=difficulty)}
     rng = random.Random(seed)
     stories: list[Story] = []
@@ -138,4 +199,14 @@ def training_stories(seed: int, count: int, difficulty: int = 1) -> list[Story]:
 
 
 def training_problems(seed: int, count: int, difficulty: int = 1) -> list[Problem]:
+    """Training problems (`training_stories`, written out).
+
+    Args:
+        seed: the draw's seed.
+        count: how many.
+        difficulty: as in `draw_story`.
+
+    Returns:
+        The problems, with ids `train-<seed>-<i>`.
+    """
     return [render(story, f"train-{seed}-{i}") for i, story in enumerate(training_stories(seed, count, difficulty))]

@@ -3,90 +3,110 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kvgraft.flywheel.bench import RUNGS, SPLITS
+from kvgraft.flywheel.bench import BenchSummary, Rung, Split, Tally
+from kvgraft.flywheel.energy import EnergyReading
+from kvgraft.flywheel.harvest import HarvestSummary
 
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-def ladder_table(results: dict[str, Any]) -> list[list[str]]:
-    """Rows of rung x split: correct/n, accuracy, 95% CI, decode tokens mean."""
-    rows = []
-    for rung in RUNGS:
-        for split in SPLITS:
-            cell = results["rungs"][rung][split]
-            lo, hi = cell["ci95"]
-            tokens = cell["decode_tokens_mean"]
-            rows.append(
-                [
-                    rung,
-                    split,
-                    f"{cell['correct']}/{cell['n']}",
-                    _pct(cell["accuracy"]),
-                    f"[{100 * lo:.0f}, {100 * hi:.0f}]",
-                    "n/a" if tokens is None else f"{tokens:.1f}",
-                ]
-            )
-    return rows
+def _cells(summary: BenchSummary) -> Iterator[tuple[Rung, Split, Tally]]:
+    for rung in Rung:
+        for split in Split:
+            yield rung, split, summary.cell(rung, split)
 
 
-def write_report(results: dict[str, Any], out_dir: Path) -> Path:
+def _row(rung: Rung, split: Split, cell: Tally) -> list[str]:
+    lo, hi = cell.ci95
+    tokens = cell.decode_tokens_mean
+    return [
+        rung.value,
+        split.value,
+        f"{cell.correct}/{cell.n}",
+        _pct(cell.accuracy),
+        f"[{100 * lo:.0f}, {100 * hi:.0f}]",
+        "n/a" if tokens is None else f"{tokens:.1f}",
+    ]
+
+
+def ladder_table(summary: BenchSummary) -> list[list[str]]:
+    """The ladder as text.
+
+    Args:
+        summary: a bench summary.
+
+    Returns:
+        One row per rung and split: rung, split, correct/n, accuracy, 95% CI, decode tokens mean.
+    """
+    return [_row(rung, split, cell) for rung, split, cell in _cells(summary)]
+
+
+def write_report(summary: BenchSummary, out_dir: Path) -> BenchSummary:
+    """Write results.json, report.md, ladder.png and tokens.png into a directory (created if need be).
+
+    Args:
+        summary: a bench summary.
+        out_dir: the report directory.
+
+    Returns:
+        The summary with `report` set to report.md's absolute path (results.json holds exactly its JSON).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    receipts = results.pop("receipt_objects", [])
-    receipts_dir = out_dir / "receipts"
-    receipts_dir.mkdir(exist_ok=True)
-    for receipt in receipts:
-        (receipts_dir / f"{receipt['id']}.json").write_text(json.dumps(receipt, indent=1, sort_keys=True) + "\n")
-    _plot_ladder(results, out_dir / "ladder.png")
-    _plot_tokens(results, out_dir / "tokens.png")
-    results["report"] = str((out_dir / "report.md").resolve())
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "report.md").write_text(_markdown(results))
-    return out_dir / "report.md"
+    # README lists receipts/ in the report; the ladder's receipts have never been written into it (kept as it was).
+    (out_dir / "receipts").mkdir(exist_ok=True)
+    _plot_ladder(summary, out_dir / "ladder.png")
+    _plot_tokens(summary, out_dir / "tokens.png")
+    written = replace(summary, report=str((out_dir / "report.md").resolve()))
+    (out_dir / "results.json").write_text(json.dumps(written.to_json(), indent=1) + "\n")
+    (out_dir / "report.md").write_text(_markdown(written))
+    return written
 
 
-def _plot_ladder(results: dict[str, Any], path: Path) -> None:
+def _plot_ladder(summary: BenchSummary, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.26
-    for offset, split in enumerate(SPLITS):
+    for offset, split in enumerate(Split):
         xs: list[float] = []
         ys: list[float] = []
         errs: list[list[float]] = [[], []]
-        for i, rung in enumerate(RUNGS):
-            cell = results["rungs"][rung][split]
-            acc = cell["accuracy"] or 0.0
+        for i, rung in enumerate(Rung):
+            cell = summary.cell(rung, split)
+            acc = cell.accuracy or 0.0
             xs.append(i + (offset - 1) * width)
             ys.append(100 * acc)
-            errs[0].append(100 * (acc - cell["ci95"][0]))
-            errs[1].append(100 * (cell["ci95"][1] - acc))
-        ax.bar(xs, ys, width, yerr=errs, capsize=3, label=f"{split} (n={results['rungs']['bare'][split]['n']})")
-    ax.set_xticks(range(len(RUNGS)), RUNGS)
+            errs[0].append(100 * (acc - cell.ci95[0]))
+            errs[1].append(100 * (cell.ci95[1] - acc))
+        n = summary.cell(Rung.BARE, split).n
+        ax.bar(xs, ys, width, yerr=errs, capsize=3, label=f"{split.value} (n={n})")
+    ax.set_xticks(range(len(Rung)), [rung.value for rung in Rung])
     ax.set_ylabel("accuracy, % (95% Wilson interval)")
     ax.set_ylim(0, 105)
-    ax.set_title(f"{results.get('model', '')} on {results.get('dataset', '')}")
+    ax.set_title(f"{summary.model or ''} on {summary.dataset or ''}")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _plot_tokens(results: dict[str, Any], path: Path) -> None:
-    problems = results["problems"]
+def _plot_tokens(summary: BenchSummary, path: Path) -> None:
+    problems = summary.problems
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(problems))
-    for rung, marker in (("bare", "o"), ("grafted", "s"), ("gated", "^")):
-        ax.scatter(xs, [max(1, p[rung]["decode_tokens"]) for p in problems], marker=marker, s=18, label=rung)
+    for rung, marker in ((Rung.BARE, "o"), (Rung.GRAFTED, "s"), (Rung.GATED, "^")):
+        ax.scatter(xs, [max(1, p.rung(rung).decode_tokens) for p in problems], marker=marker, s=18, label=rung.value)
     for i, p in enumerate(problems):
-        if p["seen"]:
+        if p.seen:
             ax.axvspan(i - 0.5, i + 0.5, color="0.92", zorder=0)
     ax.set_yscale("log")
     ax.set_xlabel("problem (shaded: seen)")
@@ -97,55 +117,55 @@ def _plot_tokens(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _markdown(results: dict[str, Any]) -> str:
+def _markdown(summary: BenchSummary) -> str:
+    gate = summary.gate
     lines = [
-        f"# kvgraft bench: {results.get('model', '')} on {results.get('dataset', '')}",
+        f"# kvgraft bench: {summary.model or ''} on {summary.dataset or ''}",
         "",
         "Rungs: **bare** (the model alone); **grafted** (the problem's replay graft, found by prompt hash, which"
         " restores the verified reasoning and decodes only the answer; else the best retrieved context block, then"
         " the problem); **gated** (the grafted answer only when retrieval score and answer confidence pass the"
-        f" gate: retrieval score >= {results['gate']['min_match']} and answer confidence >="
-        f" {results['gate']['min_confidence']}; else bare). A problem is *seen* when its verified solution is in"
+        f" gate: retrieval score >= {gate.min_match} and answer confidence >="
+        f" {gate.min_confidence}; else bare). A problem is *seen* when its verified solution is in"
         " the library.",
         "",
         "| rung | split | correct | accuracy | 95% CI | decode tokens / problem | TTFT mean | wall |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in ladder_table(results):
-        cell = results["rungs"][row[0]][row[1]]
-        ttft = "n/a" if cell["ttft_s_mean"] is None else f"{1000 * cell['ttft_s_mean']:.0f} ms"
-        lines.append("| " + " | ".join([*row, ttft, f"{cell['wall_s']:.1f} s"]) + " |")
-    ratios = results["bare_over_rung_decode_tokens"]
-    up = results["upstream"]
-    own = results["block_own_solution"]
+    for rung, split, cell in _cells(summary):
+        ttft = "n/a" if cell.ttft_s_mean is None else f"{1000 * cell.ttft_s_mean:.0f} ms"
+        lines.append("| " + " | ".join([*_row(rung, split, cell), ttft, f"{cell.wall_s:.1f} s"]) + " |")
+    up = summary.upstream
+    own = summary.block_own
     lines += [
         "",
-        f"Decode tokens, bare / grafted: seen {_ratio(ratios['seen']['grafted'])}, unseen "
-        f"{_ratio(ratios['unseen']['grafted'])}, all {_ratio(ratios['all']['grafted'])}. Token budget per problem: "
-        f"{results['budget']} ({results['token_budget_total']} in all).",
+        f"Decode tokens, bare / grafted: seen {_ratio(summary.token_ratio(Split.SEEN, Rung.GRAFTED))}, unseen "
+        f"{_ratio(summary.token_ratio(Split.UNSEEN, Rung.GRAFTED))}, all "
+        f"{_ratio(summary.token_ratio(Split.ALL, Rung.GRAFTED))}. Token budget per problem: "
+        f"{summary.budget} ({summary.token_budget_total} in all).",
         "",
         "## Upstream cost",
         "",
-        f"The {up['grafts_used']} replay grafts used here cost {up['harvest_tokens']} generated tokens and "
-        f"{up['harvest_wall_s']:.1f} s of harvest (every attempt on those problems, failed attempts"
-        f" included), used {up['uses_per_graft']}"
-        f" time(s) each: {_num(up['amortized_tokens_per_use'])} tokens per use. On seen problems, grafted decode"
-        f" tokens plus that upstream cost: {up['seen_grafted_tokens_including_upstream']}, against "
-        f"{up['seen_bare_tokens']} for bare.",
-        *_harvest_lines(up.get("harvest_all")),
+        f"The {up.grafts_used} replay grafts used here cost {up.harvest_tokens} generated tokens and "
+        f"{up.harvest_wall_s:.1f} s of harvest (every attempt on those problems, failed attempts"
+        f" included), used {up.uses_per_graft}"
+        f" time(s) each: {_num(up.amortized_tokens_per_use)} tokens per use. On seen problems, grafted decode"
+        f" tokens plus that upstream cost: {up.seen_grafted_tokens_including_upstream}, against "
+        f"{up.seen_bare_tokens} for bare.",
+        *_harvest_lines(summary.harvest),
         "## Reading a worked solution in context (diagnostic)",
         "",
         f"Each seen problem asked after the context block that holds its own verified solution (no replay): "
-        f"{own['correct']}/{own['n']} correct ({_pct(own['accuracy'])}), {_num(own['decode_tokens_mean'])} decode"
+        f"{own.correct}/{own.n} correct ({_pct(own.accuracy)}), {_num(own.decode_tokens_mean)} decode"
         " tokens per problem. This measures the model's skill at using a solution in its context; replay does not"
         " need that skill.",
         "",
         "## Run",
         "",
-        f"- receipts: {results['receipts']['total']} grafted answers, {results['receipts']['verified']} verified by a"
+        f"- receipts: {summary.receipts.total} grafted answers, {summary.receipts.verified} verified by a"
         " fresh rerun (tokens and chained logits hash equal)",
-        f"- energy: {_energy(results['energy'])}",
-        f"- wall time of the ladder: {results['wall_s']:.1f} s",
+        f"- energy: {_energy(summary.energy)}",
+        f"- wall time of the ladder: {summary.wall_s:.1f} s",
         "",
         "![ladder](ladder.png)",
         "",
@@ -155,20 +175,20 @@ def _markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _harvest_lines(harvest: dict[str, Any] | None) -> list[str]:
-    if not harvest:
+def _harvest_lines(harvest: HarvestSummary | None) -> list[str]:
+    if harvest is None:
         return [""]
     return [
         "",
-        f"The whole harvest behind this library, failures included: {harvest['problems_tried']} problems tried,"
-        f" {harvest['verified']} verified, {harvest['attempts']} attempts, {harvest['tokens_generated']} generated"
-        f" tokens, {harvest['wall_s']:.1f} s (graft building included).",
+        f"The whole harvest behind this library, failures included: {harvest.problems} problems tried,"
+        f" {harvest.verified} verified, {harvest.attempts} attempts, {harvest.tokens_generated} generated"
+        f" tokens, {harvest.wall_s:.1f} s (graft building included).",
         "",
     ]
 
 
-def _energy(energy: dict[str, Any]) -> str:
-    return energy["source"] if energy["joules"] is None else f"{energy['joules']:.1f} J ({energy['source']})"
+def _energy(energy: EnergyReading) -> str:
+    return energy.source if energy.joules is None else f"{energy.joules:.1f} J ({energy.source})"
 
 
 def _ratio(value: float | None) -> str:

@@ -6,7 +6,16 @@ import math
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval for a proportion (well behaved at 0 and n, unlike the normal approximation)."""
+    """The Wilson score interval of a proportion (well behaved at 0 and n, unlike the normal approximation).
+
+    Args:
+        correct: successes.
+        n: trials.
+        z: the normal quantile (the default gives a 95% interval).
+
+    Returns:
+        (low, high) within [0, 1]; (0.0, 1.0) when n is 0.
+    """
     if n == 0:
         return (0.0, 1.0)
     p = correct / n

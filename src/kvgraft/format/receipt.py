@@ -1,30 +1,91 @@
 """Receipts: a JSON record of one generation that anyone can re-check by rerunning it fresh.
 
 A receipt commits to the fingerprint of the run, the graft used, every input token id, every output token id
-and, through a chained SHA-256, the bytes of every step's logits.
+and, through a chained SHA-256, the bytes of every step's logits. With several grafts it records their
+`Composition`: `{"mode": "chain", "grafts": [ids]}`, or `{"mode": "approximate", "grafts": [ids], "offsets": [the
+position each graft starts at]}`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from kvgraft.core.errors import FormatError
 from kvgraft.core.fingerprint import Fingerprint
-from kvgraft.core.hashing import Sha256Hex, sha256_json, sha256_token_ids
+from kvgraft.core.hashing import GraftId, Sha256Hex, sha256_json, sha256_token_ids
 from kvgraft.core.sampling import SamplingParams
 
 RECEIPT_VERSION = 2
 _ID_EXCLUDED = ("id", "created_at", "timings")
 
 
-@dataclass(frozen=True)
+class CompositionMode(StrEnum):
+    """CHAIN: the grafts form one chain, so the last one's state is theirs, bit for bit (exact).
+    APPROXIMATE: grafts built separately, re-positioned one after another (never exact)."""
+
+    CHAIN = "chain"
+    APPROXIMATE = "approximate"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Composition:
+    """Several grafts in one context, in order."""
+
+    mode: CompositionMode
+    grafts: tuple[str, ...]
+    """The graft ids, in context order."""
+    offsets: tuple[int, ...] | None = None
+    """The position at which each graft starts (approximate compositions)."""
+
+    @property
+    def approximate(self) -> bool:
+        return self.mode is CompositionMode.APPROXIMATE
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object receipts and generation results carry; `offsets` only when there are some."""
+        data: dict[str, Any] = {"mode": self.mode.value, "grafts": list(self.grafts)}
+        if self.offsets is not None:
+            data["offsets"] = list(self.offsets)
+        return data
+
+    @classmethod
+    def from_json(cls, value: Any) -> Composition | None:
+        """Read `to_json`'s object, or null.
+
+        Args:
+            value: the decoded JSON value.
+
+        Returns:
+            The composition, or None for null.
+
+        Raises:
+            ValueError: not null nor an object with a known mode and at least two grafts.
+        """
+        if value is None:
+            return None
+        if not isinstance(value, dict) or value.get("mode") not in [mode.value for mode in CompositionMode]:
+            raise ValueError("composition must be null or an object with mode 'chain' or 'approximate'")
+        if not isinstance(value.get("grafts"), list) or len(value["grafts"]) < 2:
+            raise ValueError("composition.grafts must list at least two grafts")
+        offsets = value.get("offsets")
+        return cls(
+            mode=CompositionMode(value["mode"]),
+            grafts=tuple(str(graft) for graft in value["grafts"]),
+            offsets=None if offsets is None else tuple(int(offset) for offset in offsets),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Receipt:
+    """One generation, committed to: what ran (fingerprint, graft, sampling), on what input, with what output."""
+
     fingerprint: Fingerprint
     model_name: str
-    graft_id: str | None
+    graft_id: GraftId | None
     graft_aligned_tokens: int
     input_tokens: list[int]
     output_tokens: list[int]
@@ -34,14 +95,16 @@ class Receipt:
     environment_differences: list[str]
     created_at: str
     timings: dict[str, float]
-    composition: dict[str, Any] | None = None
-    """Several grafts in one context: {"mode": "chain" | "approximate", "grafts": [ids], ["offsets": [...]]}."""
+    composition: Composition | None = None
+    """Several grafts in one context (a chain, or an approximate composition); None for one graft or none."""
 
     @property
     def approximate(self) -> bool:
-        return self.composition is not None and self.composition.get("mode") == "approximate"
+        """Whether the run was an approximate composition, which is never exact."""
+        return self.composition is not None and self.composition.approximate
 
     def to_json(self) -> dict[str, Any]:
+        """The receipt's JSON object, with its `id` first."""
         body = {
             "receipt_version": RECEIPT_VERSION,
             "fingerprint": self.fingerprint.to_json(),
@@ -57,7 +120,7 @@ class Receipt:
             "sampling": self.sampling.to_json(),
             "exact": self.exact,
             "environment_differences": list(self.environment_differences),
-            "composition": self.composition,
+            "composition": self.composition.to_json() if self.composition is not None else None,
             "approximate": self.approximate,
             "created_at": self.created_at,
             "timings": dict(self.timings),
@@ -69,25 +132,35 @@ class Receipt:
         return Sha256Hex(self.to_json()["id"])
 
     def write(self, path: Path) -> None:
+        """Write the JSON, indented, keys sorted, with a final newline."""
         path.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 
 
 def receipt_id(body: dict[str, Any]) -> Sha256Hex:
-    """SHA-256 of the canonical receipt without `id`, `created_at` and `timings` (which vary run to run)."""
+    """SHA-256 of the canonical receipt without `id`, `created_at` and `timings` (which vary run to run).
+
+    Args:
+        body: the receipt's JSON object (with or without `id`).
+
+    Returns:
+        The receipt's id.
+    """
     return sha256_json({k: v for k, v in body.items() if k not in _ID_EXCLUDED})
 
 
-def _composition(value: Any) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("mode") not in ("chain", "approximate"):
-        raise ValueError("composition must be null or an object with mode 'chain' or 'approximate'")
-    if not isinstance(value.get("grafts"), list) or len(value["grafts"]) < 2:
-        raise ValueError("composition.grafts must list at least two grafts")
-    return dict(value)
-
-
 def parse_receipt(raw: str, where: str) -> Receipt:
+    """Read and check a receipt's JSON.
+
+    Args:
+        raw: the JSON text.
+        where: names the receipt in error messages (a path, "request").
+
+    Returns:
+        The receipt.
+
+    Raises:
+        FormatError: not valid JSON, an unknown version, a malformed field, or hashes or id that do not match.
+    """
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -109,7 +182,7 @@ def parse_receipt(raw: str, where: str) -> Receipt:
             environment_differences=[str(d) for d in data["environment_differences"]],
             created_at=str(data["created_at"]),
             timings={str(k): float(v) for k, v in data["timings"].items()},
-            composition=_composition(data["composition"]),
+            composition=Composition.from_json(data["composition"]),
         )
         if data["approximate"] is not receipt.approximate:
             raise ValueError("approximate must be true exactly for an approximate composition")

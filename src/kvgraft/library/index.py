@@ -1,36 +1,37 @@
-"""A persistent index of what a local store's grafts hold, so the library opens without reading every manifest.
+"""A persistent index of what a store's grafts hold, so the library opens without reading every manifest.
 
-The graft directories are the truth; the index (`<store>/index.json`) is derived from them. Every open reconciles
-the two with one directory listing: grafts missing from the index (a crash between writing a graft and updating
-the index) are read and added, entries whose graft is gone are dropped, and an unreadable or lost index is
-rebuilt from the manifests. Writes are atomic (temp file, fsync, rename), so the index is never half-written.
+The grafts are the truth; the index (the store's `index.json` sidecar, `<store>/index.json` for a local store) is
+derived from them. Every open reconciles the two with one listing of the store's ids: grafts missing from the index
+(a crash between writing a graft and updating the index) are read and added, entries whose graft is gone are
+dropped, and an unreadable or lost index is rebuilt from the manifests. The store writes the sidecar atomically,
+so the index is never half-written.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvgraft.format.graft_format import Manifest
-from kvgraft.store.local import LocalStore
+from kvgraft.format.manifest import Manifest
+from kvgraft.format.metadata import GraftKind, GraftMetadata, ProblemRef
+from kvgraft.store.base import GraftStore
 
 INDEX_NAME = "index.json"
 INDEX_VERSION = 2
-SUMMARY_CHARS = 2000
-"""the most characters of a graft's metadata summary the index keeps for retrieval"""
 
 
 @dataclass(frozen=True)
 class IndexEntry:
+    """One graft as the index records it (one row of index.json, docs/FORMAT.md section 7)."""
+
     id: str
     tokens: int
     aligned_tokens: int
     bytes: int
     model_name: str
-    kind: str | None = None
+    kind: GraftKind | str | None = None
+    """the metadata's "kind": a GraftKind when it names one (a row read back as a string becomes one again)"""
     title: str | None = None
     prompt_tokens_sha256: str | None = None
     problems: list[dict[str, str]] = field(default_factory=list)
@@ -38,39 +39,62 @@ class IndexEntry:
     summary: str | None = None
     """metadata["summary"] (its first SUMMARY_CHARS characters): what a graft that is not a block is found by"""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.kind, str) and self.kind in {kind.value for kind in GraftKind}:
+            object.__setattr__(self, "kind", GraftKind(self.kind))
+
+    @property
+    def problem_refs(self) -> tuple[ProblemRef, ...]:
+        """The problems, typed (entries that are not well formed are left out)."""
+        return tuple(ref for ref in map(ProblemRef.read, self.problems) if ref is not None)
+
     def retrieval_texts(self) -> list[tuple[str, str]]:
-        """(label, text) pairs a query is matched against: a block's problems, else the summary, else the title."""
-        if self.kind == "block":
-            return [(p["id"], p.get("text", "")) for p in self.problems]
+        """The texts a query is matched against.
+
+        Returns:
+            (label, text) pairs: a block's problems (labelled by problem id), else its summary, else its title.
+        """
+        if self.kind is GraftKind.BLOCK:
+            return [(ref.id, ref.text or "") for ref in self.problem_refs]
         if self.summary:
             return [("summary", self.summary)]
         return [("title", str(self.title))] if self.title else []
 
     @classmethod
     def of(cls, manifest: Manifest, size: int) -> IndexEntry:
-        meta = manifest.metadata
-        problems = [
-            {k: str(v) for k, v in p.items() if k in ("id", "problem_sha256", "text")} for p in meta.get("problems", [])
-        ]
-        if meta.get("kind") == "replay":
-            problems = [{"id": str(meta["problem_id"]), "problem_sha256": str(meta["problem_sha256"])}]
-        summary = meta.get("summary")
+        """The entry of a graft.
+
+        Args:
+            manifest: the graft's manifest; its metadata is read leniently (`GraftMetadata.read`).
+            size: the graft's size in bytes (its directory plus every block it names).
+
+        Returns:
+            The graft's index entry.
+        """
+        meta = GraftMetadata.read(manifest.metadata)
         return cls(
             id=manifest.id,
             tokens=len(manifest.tokens),
             aligned_tokens=manifest.aligned_tokens,
             bytes=size,
             model_name=manifest.model_name,
-            kind=meta.get("kind"),
-            title=meta.get("title"),
-            prompt_tokens_sha256=meta.get("prompt_tokens_sha256"),
-            problems=problems,
-            summary=str(summary)[:SUMMARY_CHARS] if summary else None,
+            kind=meta.kind,
+            title=meta.title,
+            prompt_tokens_sha256=meta.prompt_tokens_sha256,
+            problems=[ref.to_json() for ref in meta.problems],
+            summary=meta.summary,
         )
 
 
-def load_index(store: LocalStore) -> dict[str, IndexEntry]:
-    """The index of `store`, reconciled with its graft directories (and saved again when that changed anything)."""
+def load_index(store: GraftStore) -> dict[str, IndexEntry]:
+    """The index of `store`, reconciled with its grafts (and saved again when that changed anything).
+
+    Args:
+        store: Any graft store; one that keeps no sidecar has its index rebuilt from the manifests each time.
+
+    Returns:
+        One entry per graft, by id.
+    """
     stored = _read(store)
     present = set(store.ids())
     entries = {graft_id: entry for graft_id, entry in (stored or {}).items() if graft_id in present}
@@ -81,10 +105,12 @@ def load_index(store: LocalStore) -> dict[str, IndexEntry]:
     return entries
 
 
-def _read(store: LocalStore) -> dict[str, IndexEntry] | None:
-    path = store.root / INDEX_NAME
+def _read(store: GraftStore) -> dict[str, IndexEntry] | None:
+    raw = store.read_sidecar(INDEX_NAME)
+    if raw is None:
+        return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
         if data.get("index_version") != INDEX_VERSION:
             return None
         return {row["id"]: IndexEntry(**row) for row in data["grafts"]}
@@ -92,22 +118,12 @@ def _read(store: LocalStore) -> dict[str, IndexEntry] | None:
         return None  # lost or damaged: rebuilt from the manifests
 
 
-def _write(store: LocalStore, entries: dict[str, IndexEntry]) -> None:
-    if not store.root.is_dir():
-        return  # an empty store that does not exist yet has nothing to index
+def _write(store: GraftStore, entries: dict[str, IndexEntry]) -> None:
     payload: dict[str, Any] = {
         "index_version": INDEX_VERSION,
         "grafts": [asdict(entries[k]) for k in sorted(entries)],
     }
-    try:
-        fd, tmp = tempfile.mkstemp(prefix="index-", suffix=".json", dir=store.root)
-    except OSError:
-        return  # a read-only store still works, from the manifests
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, ensure_ascii=False)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, store.root / INDEX_NAME)
+    store.write_sidecar(INDEX_NAME, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -128,7 +144,7 @@ class StoreStats:
         return asdict(self) | {"dedup_ratio": self.dedup_ratio}
 
 
-def store_stats(store: LocalStore) -> StoreStats:
+def store_stats(store: GraftStore) -> StoreStats:
     """Logical bytes are what the grafts would take each on its own (every block they name counted for each);
     disk bytes count every graft directory and every block file once."""
     entries = load_index(store).values()

@@ -1,9 +1,8 @@
 """The graft library seen from a query: replay grafts found by prompt hash, any other graft found by its texts.
 
-Grafts join the library through their metadata (written by harvest, or given to `Engine.put`):
-- replay: {"kind": "replay", "problem_id", "problem_sha256", "prompt_tokens_sha256", "answer", "cost": {...}}
-- block:  {"kind": "block", "problems": [{"id", "problem_sha256", "text"}, ...]}
-- any graft: {"summary": ...} or {"title": ...}, what a graft that is not a block is found by.
+Grafts join the library through their metadata (written by harvest, or given to `Engine.put`; the shapes are in
+kvgraft.format.metadata): a replay graft by the hash of its prompt tokens, a block by its problems' texts, any
+other graft by its summary or title.
 Texts are matched by a retriever (kvgraft.library.retrieval): BM25 by default, or a local sentence-transformers model.
 """
 
@@ -14,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgraft.core.hashing import sha256_token_ids
-from kvgraft.library.index import IndexEntry, load_index
+from kvgraft.format.metadata import GraftKind
+from kvgraft.library.index import load_index
 from kvgraft.library.retrieval import Retriever, make_retriever
-from kvgraft.store import GraftStore, LocalStore
+from kvgraft.store import GraftStore
 
 _WORD = re.compile(r"\w+")
 
@@ -69,24 +69,22 @@ class Library:
 
     @classmethod
     def from_store(cls, store: GraftStore, retriever: Retriever | str | Path | None = None) -> Library:
-        """The library of a store, from its persistent index (local stores) or its manifests (others).
+        """The library of a store, from its persistent index (see `kvgraft.library.index`).
 
         `retriever`: None or "bm25" for BM25, a local sentence-transformers model directory for the dense
         retriever, or a Retriever.
         """
-        if isinstance(store, LocalStore):
-            entries = list(load_index(store).values())
-        else:
-            entries = [IndexEntry.of(store.manifest(i), store.size_bytes(i)) for i in store.ids()]
+        entries = list(load_index(store).values())
         if retriever is None or isinstance(retriever, str | Path):
             retriever = make_retriever(None if retriever in (None, "bm25") else retriever)
         library = cls(retriever=retriever)
         for entry in entries:
-            if entry.kind == "replay" and entry.prompt_tokens_sha256 and entry.problems:
+            refs = entry.problem_refs
+            if entry.kind is GraftKind.REPLAY and entry.prompt_tokens_sha256 and refs:
                 library.replay_by_prompt[entry.prompt_tokens_sha256] = entry.id
-                library.replay_problems[entry.problems[0]["problem_sha256"]] = entry.id
+                library.replay_problems[refs[0].problem_sha256] = entry.id
             texts = [(entry.id, label, text) for label, text in entry.retrieval_texts()]
-            (library.block_entries if entry.kind == "block" else library.other_entries).extend(texts)
+            (library.block_entries if entry.kind is GraftKind.BLOCK else library.other_entries).extend(texts)
         return library
 
     def find_replay(self, prompt_tokens: list[int]) -> str | None:

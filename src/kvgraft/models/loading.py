@@ -12,6 +12,7 @@ from kvgraft.models.byte_tokenizer import build_byte_tokenizer
 from kvgraft.models.random_models import RANDOM_ARCHS, build_random_model, random_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DTYPE = "float32"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -23,7 +24,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def load_model(
     spec: str,
-    dtype: str = "float32",
+    dtype: str = DEFAULT_DTYPE,
     device: str = "cpu",
     attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -30,6 +30,15 @@ def _check(request: Request, key: str) -> None:
 
 
 def require_write(request: Request, config: ServerConfig) -> None:
+    """Check that a library write carries the server's token.
+
+    Args:
+        request: the request.
+        config: the server's config (its API key).
+
+    Raises:
+        ApiError: 403 when the server has no key (writes are disabled), 401 when the token is missing or wrong.
+    """
     if not config.api_key:
         raise ApiError(
             403,
@@ -40,5 +49,14 @@ def require_write(request: Request, config: ServerConfig) -> None:
 
 
 def require_read(request: Request, config: ServerConfig) -> None:
+    """Check that a read carries the server's token, when the server protects reads.
+
+    Args:
+        request: the request.
+        config: the server's config (its API key, whether reads are protected).
+
+    Raises:
+        ApiError: 401 when reads are protected and the token is missing or wrong.
+    """
     if config.protect_reads and config.api_key:
         _check(request, config.api_key)

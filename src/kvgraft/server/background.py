@@ -14,6 +14,8 @@ from fastapi import FastAPI
 
 @dataclass(frozen=True)
 class RunningServer:
+    """Where a server started by `serve_in_thread` listens."""
+
     host: str
     port: int
 
@@ -26,7 +28,21 @@ class RunningServer:
 def serve_in_thread(
     app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", start_timeout: float = 30.0
 ) -> Iterator[RunningServer]:
-    """Serve `app` until the block ends; port 0 takes a free port (the one bound is in the result)."""
+    """Serve `app` until the block ends.
+
+    Args:
+        app: the app.
+        host: the address to bind.
+        port: the port to bind; 0 takes a free one.
+        log_level: uvicorn's log level.
+        start_timeout: seconds to wait for the server to start, and for it to stop.
+
+    Returns:
+        A context manager giving where the server listens (the port actually bound).
+
+    Raises:
+        RuntimeError: the server did not start in time.
+    """
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
     thread = threading.Thread(target=server.run, name="kvgraft-uvicorn", daemon=True)
     thread.start()

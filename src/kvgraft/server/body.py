@@ -22,6 +22,18 @@ def _too_large(limit: int) -> ApiError:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
+    """A request's body, refused as soon as it is known to be too large.
+
+    Args:
+        request: the request.
+        limit: the most bytes accepted.
+
+    Returns:
+        The body.
+
+    Raises:
+        ApiError: 413 when it is larger than `limit`, 400 for a malformed Content-Length.
+    """
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -41,6 +53,20 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, schema: type[M], limit: int) -> M:
+    """A request's body as a JSON object, validated against a schema.
+
+    Args:
+        request: the request.
+        schema: the body's model.
+        limit: the most bytes accepted.
+
+    Returns:
+        The validated body.
+
+    Raises:
+        ApiError: 413 for a body over `limit`; 400 for a body that is not UTF-8 JSON (NaN and lone surrogates
+            included), not an object, or not valid for `schema`.
+    """
     raw = await read_body(request, limit)
     try:
         data: Any = json.loads(raw, parse_constant=_refuse_constant)

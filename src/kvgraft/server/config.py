@@ -12,6 +12,8 @@ API_KEY_ENV = "KVGRAFT_API_KEY"
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """A server's settings; `check` refuses inconsistent ones."""
+
     api_key: str | None = None
     """Bearer token that library writes need; with no key, library writes are refused."""
     protect_reads: bool = False
@@ -31,6 +33,12 @@ class ServerConfig:
     """How stale the retrieval index of a non-local store may be (a local store's changes show at once)."""
 
     def check(self) -> None:
+        """Refuse settings the server cannot run with.
+
+        Raises:
+            BadInputError: an empty API key, protected reads without a key, a limit below 1, or a default
+                completion length outside 1..max_tokens_limit.
+        """
         if self.api_key is not None and not self.api_key.strip():
             raise BadInputError("the API key is empty; give a non-empty --api-key or unset it")
         if self.protect_reads and not self.api_key:

@@ -23,6 +23,7 @@ from kvgraft.core.errors import (
     FormatError,
     IntegrityError,
     KvgraftError,
+    NotAChainError,
     NotFoundError,
     ReproducibilityError,
     StoreError,
@@ -65,22 +66,76 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
+        """Returns: the OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`."""
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
+        """Returns: the reply: the body with the error's status and headers."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body.
+
+    Args:
+        message: what went wrong, one line.
+        type_: OpenAI's error type, e.g. "invalid_request_error".
+        param: the request field at fault, if any.
+        code: kvgraft's error code, e.g. "graft_not_found".
+
+    Returns:
+        `{"error": {"message", "type", "param", "code"}}`.
+    """
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 INTERNAL = ApiError(500, "internal server error; the request was not completed", code="internal_error")
 
 
+_HINTS: dict[type[KvgraftError], str] = {
+    EnvironmentMismatchError: (
+        "; the server does not allow environment mismatches (started without --allow-env-mismatch)"
+    ),
+    NotAChainError: '; build them as one chain (POST /v1/grafts with "after"), or set kvgraft.approximate to true',
+}
+"""What a client can do about an error, by its type (core messages say what went wrong, never how to fix it)."""
+
+
+def hint_for(exc: KvgraftError) -> str:
+    """The server's hint for a client, to append to the error's message.
+
+    Args:
+        exc: an error kvgraft raised.
+
+    Returns:
+        The hint, starting with "; ", or "" when the server has none for this kind of error.
+    """
+    return next((hint for kind, hint in _HINTS.items() if isinstance(exc, kind)), "")
+
+
+def client_message(exc: KvgraftError) -> str:
+    """The message a client gets for `exc` (not yet redacted).
+
+    Args:
+        exc: an error kvgraft raised.
+
+    Returns:
+        The error's message followed by the server's hint, if it has one.
+    """
+    return str(exc) + hint_for(exc)
+
+
 def from_kvgraft(exc: KvgraftError, param: str | None = None) -> ApiError:
-    """The status of each kind of kvgraft error: the caller's mistakes are 4xx, a damaged store is 500."""
-    message = str(exc)
+    """The reply to a kvgraft error: the caller's mistakes are 4xx, a damaged store is 500.
+
+    Args:
+        exc: the error.
+        param: the request field the error is about, if any (not reported for the server's own failures).
+
+    Returns:
+        The error reply, its message with the server's hint (`hint_for`) but not yet redacted.
+    """
+    message = client_message(exc)
     if isinstance(exc, BadInputError):
         return ApiError(400, message, param=param, code="bad_input")
     if isinstance(exc, NotFoundError):
@@ -100,7 +155,16 @@ def from_kvgraft(exc: KvgraftError, param: str | None = None) -> ApiError:
 
 
 def validation_error(exc: ValidationError, data: Any) -> ApiError:
-    """The first pydantic error as one line naming the field, e.g. `max_tokens: Input should be a valid integer`."""
+    """The reply to a body that does not fit its schema.
+
+    Args:
+        exc: pydantic's error.
+        data: the body as parsed JSON (to name the field at fault).
+
+    Returns:
+        A 400 error with the first pydantic error as one line naming the field, e.g. `max_tokens: Input should be
+        a valid integer`.
+    """
     errors = exc.errors(include_url=False)
     # A value that fails a union (`str | list[str]`) fails every branch; a branch that matched the value's type
     # but not a constraint ("at most 4 items") says more than "Input should be a valid string".
@@ -132,7 +196,12 @@ def _param_of(loc: tuple[Any, ...], data: Any) -> str:
 
 
 def install_handlers(app: FastAPI, redact: Callable[[str], str] = str) -> None:
-    """`redact` cleans kvgraft's messages (they may name the store's directory) before a client sees them."""
+    """Make every error an app raises an OpenAI-style error reply.
+
+    Args:
+        app: the app.
+        redact: cleans kvgraft's messages (they may name the store's directory) before a client sees them.
+    """
 
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)

@@ -5,7 +5,6 @@ Runs on the model worker (it reads the store and the retrieval index, which the 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,12 +14,11 @@ from typing import Any
 from kvgraft.core.errors import KvgraftError
 from kvgraft.core.fingerprint import check_fingerprint
 from kvgraft.engine.engine import Engine
-from kvgraft.format.graft_format import Manifest
+from kvgraft.format.manifest import Manifest
 from kvgraft.library.library import Library, jaccard
 from kvgraft.library.retrieval import Retriever, make_retriever
 from kvgraft.models.loading import max_positions
-from kvgraft.store import GraftStore, LocalStore
-from kvgraft.store.cache import CachedStore
+from kvgraft.store import GraftStore
 
 
 @dataclass(frozen=True)
@@ -36,6 +34,8 @@ class GraftChoice:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One graft retrieval proposed for a request, and whether it was used (the reply's `retrieval` list)."""
+
     graft_id: str
     score: float
     """The retriever's score of the graft's best-matching text (BM25 unless the server runs a dense retriever)."""
@@ -59,6 +59,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class GraftPlan:
+    """What a request runs on: the graft(s) it named, the one retrieval chose, or none."""
+
     graft_id: str | None
     source: str | None
     """"request" (named by the request), "retrieval" (the library's best graft), or None (a bare run)."""
@@ -72,6 +74,8 @@ class GraftPlan:
 
 @dataclass(frozen=True)
 class LibrarySnapshot:
+    """The retrieval library of the store as it was at one moment."""
+
     library: Library
     texts: dict[tuple[str, str], str]
     """(graft id, label) -> the text retrieval matched, to report word overlap"""
@@ -79,9 +83,9 @@ class LibrarySnapshot:
 
 class LibraryView:
     """The store's retrieval library, rebuilt only when the store changed: rebuilding re-indexes every text, far too
-    slow to do per request on a large library. A local store's `grafts/` directory changes its modification time
-    whenever a graft is added or removed (both are renames), by this server or any other process; other stores are
-    rebuilt at most every `refresh_s`. The server's own writes invalidate at once."""
+    slow to do per request on a large library. A store's `change_token` changes whenever a graft is added or
+    removed, by this server or any other process; a store that cannot tell is rebuilt at most every `refresh_s`.
+    The server's own writes invalidate at once."""
 
     def __init__(
         self,
@@ -90,7 +94,7 @@ class LibraryView:
         retriever: Retriever | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._store = store.inner if isinstance(store, CachedStore) else store
+        self._store = store
         self._refresh_s = refresh_s
         self._retriever = retriever if retriever is not None else make_retriever()
         self._clock = clock
@@ -99,21 +103,16 @@ class LibraryView:
         self._lock = threading.Lock()
 
     def invalidate(self) -> None:
+        """Rebuild on the next `get` (the server just changed the store)."""
         with self._lock:
             self._snapshot = None
 
     def _current_signature(self) -> object:
-        if isinstance(self._store, LocalStore):
-            try:
-                info = os.stat(self._store.root / "grafts")
-            except OSError:
-                return None  # no grafts directory yet: an empty library
-            # Timestamps are only as fine as the kernel's clock tick; the link count (one per subdirectory on most
-            # file systems) still tells two changes within one tick apart.
-            return (info.st_mtime_ns, info.st_nlink, info.st_ino)
-        return int(self._clock() // self._refresh_s)
+        token = self._store.change_token()
+        return token if token is not None else ("clock", int(self._clock() // self._refresh_s))
 
     def get(self) -> LibrarySnapshot:
+        """Returns: the library, rebuilt first if the store changed since it was built."""
         with self._lock:
             signature = self._current_signature()
             if self._snapshot is None or signature != self._signature:
@@ -140,6 +139,21 @@ def plan_grafts(
     `min_match`, it was built by this model under this schedule (and environment, unless mismatches are
     allowed), and it leaves room for the prompt and the new tokens; every candidate is reported, with the reason
     it was skipped.
+
+    Args:
+        engine: the engine (its store, model and fingerprint).
+        library: gives the current retrieval library (`LibraryView.get`).
+        choice: what the request asked for.
+        query: what retrieval searches with.
+        prompt: the prompt text, to count the positions it needs.
+        max_new_tokens: the tokens the request may generate.
+        candidates: how many retrieval hits to consider.
+
+    Returns:
+        The plan, with every retrieval candidate reported.
+
+    Raises:
+        NotFoundError: a named graft is not in the store.
     """
     if choice.grafts:
         named = tuple(engine.store.manifest(g) for g in choice.grafts)

@@ -21,6 +21,8 @@ log = logging.getLogger("uvicorn.error")
 
 
 class Metrics:
+    """The counters, gauges and histograms `/metrics` shows."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -80,6 +82,7 @@ class Metrics:
         )
 
     def render(self) -> bytes:
+        """Returns: every metric in Prometheus' text format."""
         return generate_latest(self.registry)
 
 

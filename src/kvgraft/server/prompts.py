@@ -13,6 +13,15 @@ FALLBACK_ASSISTANT_PREFIX = "assistant:"
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """The prompt text of a conversation.
+
+    Args:
+        tokenizer: the model's tokenizer (its chat template, if it has one).
+        messages: the conversation, each {"role", "content"}.
+
+    Returns:
+        The text the model continues with the assistant's reply (without a leading BOS when encoding adds one).
+    """
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + FALLBACK_ASSISTANT_PREFIX
@@ -45,6 +54,14 @@ class TextStream:
         self.sent = ""
 
     def push(self, token: int) -> str:
+        """Take the next generated token.
+
+        Args:
+            token: its id.
+
+        Returns:
+            The text that became safe to send, possibly "".
+        """
         self._tokens.append(token)
         text = str(self._tokenizer.decode(self._tokens, skip_special_tokens=True)).rstrip("\ufffd")
         cuts = [i for i in (text.find(s) for s in self._stops) if i >= 0]
@@ -52,6 +69,14 @@ class TextStream:
         return self._advance(safe)
 
     def finish(self, final_text: str) -> str:
+        """End the stream.
+
+        Args:
+            final_text: the generation's final text (stop string cut off).
+
+        Returns:
+            What of it was not sent yet.
+        """
         return self._advance(final_text)
 
     def _advance(self, safe: str) -> str:

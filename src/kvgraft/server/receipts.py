@@ -24,14 +24,23 @@ log = logging.getLogger("uvicorn.error")
 
 
 class ReceiptBook:
+    """The server's receipts, by id: the last `capacity` in memory, every one in `directory` when it has one."""
+
     def __init__(self, directory: Path | None, capacity: int = 1000) -> None:
         self.directory = directory
         self.capacity = capacity
         self._recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, receipt: Receipt) -> dict[str, Any]:
-        """Keep a receipt; returns its JSON (what `Receipt.to_json` gives, computed once here)."""
+    def add(self, receipt: Receipt) -> str:
+        """Keep a receipt (as its JSON: what `GET /v1/receipts/{id}` replies and the file holds).
+
+        Args:
+            receipt: the receipt of a served generation.
+
+        Returns:
+            Its id.
+        """
         data = receipt.to_json()
         with self._lock:
             self._recent[data["id"]] = data
@@ -45,9 +54,21 @@ class ReceiptBook:
                 # The reply still carries the receipt (and memory keeps it); a full or read-only disk must not
                 # fail a generation that already happened.
                 log.warning("cannot persist receipt %s in %s: %s", data["id"], self.directory, exc)
-        return data
+        return str(data["id"])
 
     def get(self, receipt_id: str) -> dict[str, Any]:
+        """A kept receipt's JSON, from memory or else from its file (checked before it is served).
+
+        Args:
+            receipt_id: the receipt's id, 64 lowercase hex digits.
+
+        Returns:
+            The receipt's JSON object.
+
+        Raises:
+            BadInputError: a malformed id.
+            NotFoundError: no such receipt here, or its file is damaged.
+        """
         if not _RECEIPT_ID.match(receipt_id):
             raise BadInputError(f"malformed receipt id {receipt_id!r}: expected 64 lowercase hex digits")
         with self._lock:

@@ -6,9 +6,11 @@ OpenAI), so a typo never silently changes what runs.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from kvgraft.library.index import IndexEntry
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 SEED_MAX = 2**63 - 1
@@ -238,6 +240,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class GraftSummary(BaseModel):
+    """One graft of the library, as `GET /v1/grafts` lists it."""
+
     object: Literal["graft"] = "graft"
     id: str
     tokens: int
@@ -247,12 +251,38 @@ class GraftSummary(BaseModel):
     kind: str | None = None
     title: str | None = None
 
+    @classmethod
+    def of(cls, entry: IndexEntry, **extra: Any) -> Self:
+        """The row of a graft: the one place every graft reply takes its common fields from.
+
+        Args:
+            entry: the graft's index entry (`IndexEntry.of(manifest, size)` for a graft at hand).
+            **extra: the fields a subclass adds (`manifest`, `created`).
+
+        Returns:
+            The row; a kind or title that is not a string is left out (metadata is free JSON).
+        """
+        return cls(
+            id=entry.id,
+            tokens=entry.tokens,
+            aligned_tokens=entry.aligned_tokens,
+            bytes=entry.bytes,
+            model=entry.model_name,
+            kind=_str_or_none(entry.kind),
+            title=_str_or_none(entry.title),
+            **extra,
+        )
+
 
 class GraftDetail(GraftSummary):
+    """One graft with its whole manifest (`GET /v1/grafts/{id}`)."""
+
     manifest: dict[str, Any]
 
 
 class GraftCreated(GraftSummary):
+    """A stored graft (`POST /v1/grafts`); `created` is False when it was there already."""
+
     created: bool
 
 
@@ -260,3 +290,7 @@ class GraftList(BaseModel):
     object: Literal["list"] = "list"
     data: list[GraftSummary]
     has_more: bool
+
+
+def _str_or_none(value: object) -> str | None:
+    return str(value) if isinstance(value, str) else None

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.core.errors import KvgraftError
-from kvgraft.core.hashing import sha256_json
 from kvgraft.engine.engine import Engine
 from kvgraft.library.retrieval import Retriever
 from kvgraft.server.config import ServerConfig
@@ -21,38 +20,53 @@ from kvgraft.server.grafting import LibraryView
 from kvgraft.server.metrics import Metrics
 from kvgraft.server.receipts import ReceiptBook
 from kvgraft.server.worker import ModelWorker, QueueFullError, Ticket, WorkerUnavailableError
-from kvgraft.store import LocalStore
-from kvgraft.store.cache import CachedStore
 
 log = logging.getLogger("uvicorn.error")
 
 
 class ServerState:
+    """One app's engine, model worker, metrics, receipts and library view (created by `create_app`)."""
+
     def __init__(self, engine: Engine, config: ServerConfig, retriever: Retriever | None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = Metrics()
         self.worker = ModelWorker(engine, config.max_queue, self.metrics.queue_depth.set)
-        inner = engine.store.inner if isinstance(engine.store, CachedStore) else engine.store
-        self.local_store = inner if isinstance(inner, LocalStore) else None
         receipts_dir = config.receipts_dir
-        if receipts_dir is None and self.local_store is not None:
-            receipts_dir = self.local_store.root / "receipts"
+        if receipts_dir is None and engine.store.directory is not None:
+            receipts_dir = engine.store.directory / "receipts"
         self.receipts = ReceiptBook(receipts_dir, config.receipts_in_memory)
         self.library = LibraryView(engine.store, config.library_refresh_s, retriever)
         self.model_id = engine.model_name
         self.created = int(time.time())
-        self.system_fingerprint = "kvgraft-" + sha256_json(engine.fingerprint.to_json())[:16]
+        self.system_fingerprint = "kvgraft-" + engine.fingerprint.digest[:16]
         location = engine.store.location
         self._redact = sorted({location, str(Path(location).resolve())}, key=len, reverse=True)
 
     def redact(self, message: str) -> str:
-        """Messages from the store name its directory; a client has no business knowing it."""
+        """A message with the store's directory replaced by `<store>`: a client has no business knowing it.
+
+        Args:
+            message: an error message.
+
+        Returns:
+            The message a client may see.
+        """
         for path in self._redact:
             message = message.replace(path, "<store>")
         return message
 
     def api_error(self, exc: BaseException, param: str | None = None) -> ApiError:
+        """The reply to any error a request ran into.
+
+        Args:
+            exc: the error.
+            param: the request field a kvgraft error is about, if any.
+
+        Returns:
+            An ApiError as it is; a kvgraft error's reply (`from_kvgraft`, redacted); for anything else a generic
+            500, the error logged and counted.
+        """
         if isinstance(exc, ApiError):
             return exc
         if isinstance(exc, KvgraftError):
@@ -64,6 +78,18 @@ class ServerState:
         return INTERNAL
 
     def submit(self, fn: Callable[[Engine], Any], cancelled: threading.Event | None = None) -> Ticket[Any]:
+        """Queue work for the model worker.
+
+        Args:
+            fn: the work, called on the worker with the engine.
+            cancelled: set it to stop the work early (the work polls it).
+
+        Returns:
+            The ticket whose future settles with the work's result.
+
+        Raises:
+            ApiError: 429 when the queue is full, 503 when the worker is stopping or stopped.
+        """
         try:
             return self.worker.submit(fn, cancelled)
         except QueueFullError:
@@ -79,6 +105,17 @@ class ServerState:
             raise ApiError(503, "the server is shutting down or its model worker stopped", code="unavailable") from None
 
     async def run(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run work on the model worker and wait for it (cancelled with the request).
+
+        Args:
+            fn: the work, called on the worker with the engine.
+
+        Returns:
+            What `fn` returned.
+
+        Raises:
+            ApiError: the queue is full, the worker is gone, or the work failed (`api_error`).
+        """
         ticket = self.submit(fn)
         try:
             return await ticket.future

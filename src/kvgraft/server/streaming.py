@@ -29,8 +29,23 @@ from kvgraft.server.state import ServerState
 async def stream(
     state: ServerState, job: GenerationJob, kind: Literal["completion", "chat"], include_usage: bool
 ) -> Response:
-    """Server-sent events in OpenAI's chunk shapes. The reply starts once the first text exists, so that every
-    error before it (unknown graft, prompt too long, queue full) is still an ordinary 4xx/5xx reply."""
+    """A generation streamed as server-sent events in OpenAI's chunk shapes.
+
+    The reply starts once the first text exists, so that every error before it (unknown graft, prompt too long,
+    queue full) is still an ordinary 4xx/5xx reply; a later error ends the stream with an error event.
+
+    Args:
+        state: the server.
+        job: what the request asks for.
+        kind: the chunk shape, of a completion or of a chat completion.
+        include_usage: end with a chunk carrying the usage (`stream_options.include_usage`).
+
+    Returns:
+        The streaming response; the generation stops if the client leaves.
+
+    Raises:
+        ApiError: the generation failed before its first text.
+    """
     loop = asyncio.get_running_loop()
     channel: asyncio.Queue[str | None] = asyncio.Queue()
     cancelled = threading.Event()

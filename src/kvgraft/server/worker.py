@@ -41,6 +41,7 @@ class Ticket(Generic[T]):
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
+        """Stop the job: never run if it still waits, stopped at its next check if it runs."""
         self.cancelled.set()
         self.future.cancel()
 
@@ -58,6 +59,8 @@ class _Job:
 
 
 class ModelWorker:
+    """The thread that runs every job touching the engine, one at a time, in arrival order."""
+
     def __init__(self, engine: Engine, max_queue: int, on_depth: Callable[[int], None] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
@@ -69,21 +72,33 @@ class ModelWorker:
 
     @property
     def depth(self) -> int:
+        """Jobs waiting (not counting the one running)."""
         return self._queue.qsize()
 
     @property
     def alive(self) -> bool:
+        """Whether the worker runs and accepts jobs."""
         return self._thread is not None and self._thread.is_alive() and not self._closing
 
     def start(self) -> None:
+        """Start the thread (once; later calls do nothing)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvgraft-model-worker", daemon=True)
             self._thread.start()
 
     def submit(self, fn: Callable[[Engine], T], cancelled: threading.Event | None = None) -> Ticket[T]:
-        """Queue `fn(engine)`; raises QueueFullError or WorkerUnavailableError instead of waiting.
+        """Queue a job, without waiting for a place.
 
-        `cancelled` is the ticket's flag, for a job that must see it from the start (its token callback).
+        Args:
+            fn: the job, called on the worker with the engine.
+            cancelled: the ticket's flag, for a job that must see it from the start (its token callback).
+
+        Returns:
+            The job's ticket; its future settles on the calling event loop.
+
+        Raises:
+            QueueFullError: every place in the queue is taken.
+            WorkerUnavailableError: the worker is stopping or stopped.
         """
         loop = asyncio.get_running_loop()
         ticket: Ticket[T] = Ticket(loop.create_future(), cancelled or threading.Event())
@@ -98,7 +113,14 @@ class ModelWorker:
         return ticket
 
     async def run(self, fn: Callable[[Engine], T]) -> T:
-        """Submit and wait; if the waiting request is cancelled, the job is told to stop."""
+        """Submit a job and wait for it; if the waiting request is cancelled, the job is told to stop.
+
+        Args:
+            fn: the job, called on the worker with the engine.
+
+        Returns:
+            What `fn` returned.
+        """
         ticket = self.submit(fn)
         try:
             return await ticket.future
@@ -107,7 +129,11 @@ class ModelWorker:
                 ticket.cancel()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Refuse new jobs, fail the waiting ones, and let the running one finish (up to `timeout`)."""
+        """Refuse new jobs, fail the waiting ones, and let the running one finish.
+
+        Args:
+            timeout: the most seconds to wait for the running job.
+        """
         with self._lock:
             self._closing = True
             while True:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
-from kvgraft.core.hashing import Sha256Hex
-from kvgraft.format.graft_format import BlockRef, Manifest
-from kvgraft.store.base import GraftStore, StoredGraft
+from kvgraft.core.hashing import BlockKey, GraftId
+from kvgraft.format.manifest import BlockRef, Manifest
+from kvgraft.store.base import GC_GRACE_S, GraftStore, StoredGraft
 
 
 def stored_bytes(graft: StoredGraft) -> int:
@@ -74,8 +76,16 @@ class CachedStore:
                     self.resident_bytes -= evicted
         return graft
 
-    def prefetch(self, graft_id: str) -> Future[StoredGraft] | None:
-        """Start loading a graft into the cache in the background; None when it is cached or loading already.
+    @property
+    def directory(self) -> Path | None:
+        return self.inner.directory
+
+    def prefetch(self, graft_id: str) -> bool:
+        """Start loading a graft into the cache in the background; False when it is cached or loading already."""
+        return self.start_prefetch(graft_id) is not None
+
+    def start_prefetch(self, graft_id: str) -> Future[StoredGraft] | None:
+        """`prefetch`, returning the load's future (None when it is cached or loading already).
 
         Errors (a corrupted graft, say) surface when the graft is asked for, not here.
         """
@@ -105,26 +115,33 @@ class CachedStore:
         self,
         manifest: Manifest,
         tensors: dict[str, torch.Tensor],
-        blocks: dict[Sha256Hex, dict[str, torch.Tensor]] | None = None,
-    ) -> tuple[Sha256Hex, bool]:
+        blocks: dict[BlockKey, dict[str, torch.Tensor]] | None = None,
+    ) -> tuple[GraftId, bool]:
         return self.inner.put(manifest, tensors, blocks)
 
-    def has_block(self, key: str) -> bool:
+    def has_block(self, key: BlockKey) -> bool:
         return self.inner.has_block(key)
 
     def read_block(
-        self, key: Sha256Hex, block: BlockRef | None = None, shapes: dict[str, list[int]] | None = None
+        self,
+        key: BlockKey,
+        block: BlockRef | None = None,
+        shapes: dict[str, list[int]] | None = None,
+        dtype: str | None = None,
     ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
-        return self.inner.read_block(key, block, shapes)
+        return self.inner.read_block(key, block, shapes, dtype)
 
-    def resolve(self, id_or_prefix: str) -> Sha256Hex:
+    def resolve(self, id_or_prefix: str) -> GraftId:
         return self.inner.resolve(id_or_prefix)
 
     def manifest(self, graft_id: str) -> Manifest:
         return self.inner.manifest(graft_id)
 
-    def ids(self) -> list[Sha256Hex]:
+    def ids(self) -> list[GraftId]:
         return self.inner.ids()
+
+    def change_token(self) -> Hashable | None:
+        return self.inner.change_token()
 
     def delete(self, graft_id: str) -> None:
         full = self.inner.resolve(graft_id)
@@ -139,3 +156,15 @@ class CachedStore:
 
     def size_bytes(self, graft_id: str) -> int:
         return self.inner.size_bytes(graft_id)
+
+    def disk_bytes(self) -> int:
+        return self.inner.disk_bytes()
+
+    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
+        return self.inner.gc(grace_s)
+
+    def read_sidecar(self, name: str) -> bytes | None:
+        return self.inner.read_sidecar(name)
+
+    def write_sidecar(self, name: str, data: bytes) -> None:
+        self.inner.write_sidecar(name, data)

@@ -16,35 +16,34 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from kvgraft.core.errors import FormatError, IntegrityError, KvgraftError, NotFoundError, StoreError
-from kvgraft.core.hashing import Sha256Hex
-from kvgraft.format.graft_format import (
-    BLOCK_SUFFIX,
+from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
+from kvgraft.format.blocks import BLOCK_SUFFIX, assemble
+from kvgraft.format.manifest import (
     MANIFEST_NAME,
     BlockRef,
     Manifest,
-    assemble,
-    block_file_bytes,
-    declared_block_digest,
     expected_block_shapes,
     manifest_bytes,
     parse_manifest,
+)
+from kvgraft.format.tensor_files import (
+    block_file_bytes,
+    declared_block_digest,
     read_block_checked,
     read_tensors_checked,
     tensors_file_bytes,
 )
-from kvgraft.store.base import StoredGraft
+from kvgraft.store.base import GC_GRACE_S, StoredGraft
 
 STORE_ENV = "KVGRAFT_STORE"
 DEFAULT_STORE_DIR = ".kvgraft"
 _HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
-GC_GRACE_S = 3600.0
-"""Unreferenced blocks younger than this are kept by gc: a build may be about to name them."""
 
 
 def default_store_path() -> Path:
@@ -56,12 +55,18 @@ def open_store(path: str | Path | None = None) -> LocalStore:
 
 
 class LocalStore:
+    """Implements `GraftStore` in a directory (see the module docstring for the layout)."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
 
     @property
     def location(self) -> str:
         return str(self.root)
+
+    @property
+    def directory(self) -> Path:
+        return self.root
 
     @property
     def _grafts(self) -> Path:
@@ -85,12 +90,12 @@ class LocalStore:
     def block_path(self, key: str) -> Path:
         return self._blocks / key[:2] / f"{key}{BLOCK_SUFFIX}"
 
-    def has_block(self, key: str) -> bool:
+    def has_block(self, key: BlockKey) -> bool:
         return self.block_path(key).is_file()
 
     def read_block(
         self,
-        key: Sha256Hex,
+        key: BlockKey,
         block: BlockRef | None = None,
         shapes: dict[str, list[int]] | None = None,
         dtype: str | None = None,
@@ -112,8 +117,8 @@ class LocalStore:
         self,
         manifest: Manifest,
         tensors: dict[str, torch.Tensor],
-        blocks: dict[Sha256Hex, dict[str, torch.Tensor]] | None = None,
-    ) -> tuple[Sha256Hex, bool]:
+        blocks: dict[BlockKey, dict[str, torch.Tensor]] | None = None,
+    ) -> tuple[GraftId, bool]:
         """Store a graft: the blocks given (by key) that the store lacks, then the graft directory.
 
         Every block the manifest lists must be given or already stored; a stored block must declare the same digest.
@@ -127,8 +132,8 @@ class LocalStore:
             return self._put_locked(manifest, tensors, blocks or {})
 
     def _put_locked(
-        self, manifest: Manifest, tensors: dict[str, torch.Tensor], given: dict[Sha256Hex, dict[str, torch.Tensor]]
-    ) -> tuple[Sha256Hex, bool]:
+        self, manifest: Manifest, tensors: dict[str, torch.Tensor], given: dict[BlockKey, dict[str, torch.Tensor]]
+    ) -> tuple[GraftId, bool]:
         graft_id = manifest.id
         final = self._grafts / graft_id
         for ref in manifest.blocks:
@@ -193,18 +198,50 @@ class LocalStore:
         except OSError as exc:
             raise StoreError(f"cannot write block to {self.root}: {exc.strerror or exc}") from None
 
-    def ids(self) -> list[Sha256Hex]:
+    def ids(self) -> list[GraftId]:
         if not self._grafts.is_dir():
             return []
-        return sorted(Sha256Hex(p.name) for p in self._grafts.iterdir() if (p / MANIFEST_NAME).is_file())
+        return sorted(GraftId(Sha256Hex(p.name)) for p in self._grafts.iterdir() if (p / MANIFEST_NAME).is_file())
 
-    def resolve(self, id_or_prefix: str) -> Sha256Hex:
+    def change_token(self) -> Hashable | None:
+        """The `grafts/` directory's modification time, link count and inode: every put and delete is a rename in
+        it, by this process or any other. The link count tells apart two changes within one clock tick."""
+        try:
+            info = os.stat(self._grafts)
+        except OSError:
+            return ("empty",)  # no grafts directory yet: an empty store, until one appears
+        return (info.st_mtime_ns, info.st_nlink, info.st_ino)
+
+    def prefetch(self, graft_id: str) -> bool:
+        """A local store has no faster tier of its own (the page cache is the OS's): nothing to start."""
+        return False
+
+    def read_sidecar(self, name: str) -> bytes | None:
+        try:
+            return (self.root / name).read_bytes()
+        except OSError:
+            return None
+
+    def write_sidecar(self, name: str, data: bytes) -> None:
+        if not self.root.is_dir():
+            return  # an empty store that does not exist yet has nothing to keep
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f"{name}-", dir=self.root)
+        except OSError:
+            return  # a read-only store still works, from the manifests
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.root / name)
+
+    def resolve(self, id_or_prefix: str) -> GraftId:
         prefix = id_or_prefix.strip().lower()
         if not _HEX.fullmatch(prefix):
             raise NotFoundError(f"{id_or_prefix!r} is not a graft id (hex digits expected)")
         if len(prefix) == 64:  # a full id: one stat, not a listing of the whole store
             if (self._grafts / prefix / MANIFEST_NAME).is_file():
-                return Sha256Hex(prefix)
+                return GraftId(Sha256Hex(prefix))
             raise NotFoundError(f"no graft {id_or_prefix} in store {self.root}")
         matches = [i for i in self.ids() if i.startswith(prefix)]
         if not matches:

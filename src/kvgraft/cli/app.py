@@ -1,0 +1,39 @@
+"""The typer app: every command registered in one place, in the order `kvgraft --help` lists them."""
+
+from __future__ import annotations
+
+import typer
+
+from kvgraft.cli import flywheel, grafts, serve, store
+from kvgraft.cli.errors import handle_errors
+
+app = typer.Typer(
+    name="kvgraft",
+    help="Byte-exact KV-cache grafts: build, store, restore, generate and verify.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+store_app = typer.Typer(help="The store as a whole.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+for name, command in (
+    ("build", grafts.build),
+    ("ls", grafts.list_grafts),
+    ("inspect", grafts.inspect),
+    ("generate", grafts.generate),
+    ("verify", grafts.verify),
+    ("rm", grafts.rm),
+    ("harvest", flywheel.harvest),
+    ("bench", flywheel.bench),
+    ("demo", flywheel.demo),
+    ("serve", serve.serve),
+):
+    app.command(name)(handle_errors(command))
+store_app.command("stats")(handle_errors(store.stats))
+store_app.command("gc")(handle_errors(store.gc))
+
+
+def main() -> None:
+    """Run the `kvgraft` command line (the console script's entry point)."""
+    app()

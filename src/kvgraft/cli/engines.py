@@ -1,0 +1,53 @@
+"""Loading the engine a command runs on, with the engine's own defaults for whatever the user left out."""
+
+from __future__ import annotations
+
+from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE
+from kvgraft.engine.engine import Engine
+from kvgraft.models.loading import DEFAULT_DTYPE
+from kvgraft.store import open_store
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_DTYPE", "FALLBACK_MODEL", "load_engine"]
+
+FALLBACK_MODEL = "random:gemma4"
+"""The model when neither the user nor a graft names one."""
+
+
+def load_engine(
+    model: str | None,
+    store: str | None,
+    chunk_size: int | None = None,
+    dtype: str | None = None,
+    graft: str | None = None,
+    allow_env_mismatch: bool = False,
+    cache_bytes: int | None = None,
+) -> Engine:
+    """Load the engine; unspecified model, dtype and chunk size default to the graft's own when there is one.
+
+    Args:
+        model: a model spec (`random:<arch>[:<seed>]`, a directory, a hub id); None for the graft's, else
+            `FALLBACK_MODEL`.
+        store: the store directory; None for the default store.
+        chunk_size: chunk size C of the schedule; None (or 0) for the graft's, else the engine's default.
+        dtype: the model's dtype; None (or empty) for the graft's, else the engine's default.
+        graft: a graft id or prefix whose manifest supplies the defaults above.
+        allow_env_mismatch: use grafts made under another numeric environment (reported as not exact).
+        cache_bytes: size of the RAM tier of restored grafts in front of the store; None for none.
+
+    Returns:
+        The loaded engine, on the opened store.
+    """
+    graft_store = open_store(store)
+    if graft is not None and (model is None or chunk_size is None or dtype is None):
+        manifest = graft_store.manifest(graft)
+        model = model or manifest.model_name
+        chunk_size = chunk_size or manifest.chunk_size
+        dtype = dtype or manifest.dtype
+    return Engine.load(
+        model or FALLBACK_MODEL,
+        dtype=dtype or DEFAULT_DTYPE,
+        chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+        store=graft_store,
+        allow_environment_mismatch=allow_env_mismatch,
+        cache_bytes=cache_bytes,
+    )

@@ -1,0 +1,40 @@
+"""The options several commands share, so that each is spelled and documented once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvgraft.cli.engines import DEFAULT_DTYPE, FALLBACK_MODEL
+from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="random:<arch>[:<seed>], a local HF model directory, or a hub id. "
+        f"Defaults to the graft's own model, else {FALLBACK_MODEL}.",
+    ),
+]
+StoreOpt = Annotated[
+    str | None, typer.Option("--store", "-s", help="Store directory (default: $KVGRAFT_STORE or ./.kvgraft).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+ChunkOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--chunk-size", "-C", help=f"Chunk size C of the schedule (default: the graft's, else {DEFAULT_CHUNK_SIZE})."
+    ),
+]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option("--dtype", help=f"float32, bfloat16 or float16 (default: the graft's, else {DEFAULT_DTYPE})."),
+]
+EnvOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-env-mismatch", help="Use grafts made under another numeric environment; results say 'not exact'."
+    ),
+]
