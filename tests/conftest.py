@@ -16,6 +16,8 @@ from kvgraft.engine.engine import Engine
 from kvgraft.models.loading import load_model
 from kvgraft.store import LocalStore
 
+pytest_plugins = ["conftest_s3"]  # the S3 endpoint fixtures (a real moto server)
+
 TEST_CHUNK = 16
 TEXT = (
     "Grafts keep the state of a model after it has read a text, so that the text need not be read again. "

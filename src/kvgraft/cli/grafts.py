@@ -120,9 +120,9 @@ def list_grafts(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
                 r["title"] or "",
                 r["created_at"],
             )
-        out.print(table if rows else f"no grafts in {graft_store.root}")
+        out.print(table if rows else f"no grafts in {graft_store.location}")
 
-    emit(as_json, {"store": str(graft_store.root), "grafts": rows}, render)
+    emit(as_json, {"store": graft_store.location, "grafts": rows}, render)
 
 
 def inspect(

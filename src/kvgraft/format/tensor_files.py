@@ -1,6 +1,9 @@
 """Tensors files and block files: safetensors written by the safetensors library, read back by a small reader that
-memory-maps the file and checks its header, names, shapes, dtypes and the SHA-256 of the bytes before any tensor is
-handed out (docs/FORMAT.md, sections "Tensors file" and "Blocks")."""
+memory-maps the file (or takes the bytes a remote store fetched) and checks its header, names, shapes, dtypes and the
+SHA-256 of the bytes before any tensor is handed out (docs/FORMAT.md, sections "Tensors file" and "Blocks").
+
+The file readers and the bytes readers share every check: each is a thin wrapper that gets a buffer (a copy-on-write
+mapping, or a writable bytearray) and hands it to the same checking function."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import safetensors.torch
 import torch
@@ -39,6 +42,10 @@ def block_file_bytes(tensors: dict[str, torch.Tensor], digest: Digest) -> bytes:
     return safetensors.torch.save(tensors, metadata={BLOCK_DIGEST_KEY: digest})
 
 
+Buffer: TypeAlias = mmap.mmap | bytearray
+"""What the checking functions read: a writable buffer, so the tensors handed out can view it without a copy."""
+
+
 @dataclass(frozen=True)
 class _TensorInfo:
     dtype: torch.dtype
@@ -47,7 +54,7 @@ class _TensorInfo:
     end: int
 
 
-def _read_header(data: mmap.mmap, where: str) -> tuple[dict[str, _TensorInfo], dict[str, Any]]:
+def _read_header(data: Buffer, where: str) -> tuple[dict[str, _TensorInfo], dict[str, Any]]:
     """Parse a safetensors header (8-byte little-endian length, then JSON) and check that it describes the file."""
     file_size = len(data)
     if file_size < 8:
@@ -102,8 +109,8 @@ def _map_file(path: Path, where: str, what: str) -> mmap.mmap:
         raise FormatError(f"{where}: {what} is missing") from None
 
 
-def _tensors_of(data: mmap.mmap, infos: dict[str, _TensorInfo], names: list[str]) -> dict[str, torch.Tensor]:
-    """Tensors viewing the mapped file (no copy)."""
+def _tensors_of(data: Buffer, infos: dict[str, _TensorInfo], names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors viewing the buffer (no copy)."""
     tensors: dict[str, torch.Tensor] = {}
     for name in names:
         info = infos[name]
@@ -122,8 +129,25 @@ def read_tensors_checked(path: Path, manifest: Manifest) -> dict[str, torch.Tens
     Raises IntegrityError when a tensor's SHA-256 differs from the manifest; no tensor is returned then.
     """
     where = str(path)
+    return _tensors_checked(_map_file(path, where, "tensors file"), where, manifest)
+
+
+def read_tensors_checked_bytes(data: bytes | bytearray, where: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """`read_tensors_checked` over bytes already fetched (a remote store's object).
+
+    Args:
+        data: The tensors file's bytes; a bytearray is used in place, other bytes are copied once into one.
+        where: Where the bytes came from (a URL), for messages.
+        manifest: The graft's manifest, whose hashes the tensors must match.
+
+    Returns:
+        The tensors by name, each checked. Raises FormatError or IntegrityError as the file reader does.
+    """
+    return _tensors_checked(_writable(data), where, manifest)
+
+
+def _tensors_checked(data: Buffer, where: str, manifest: Manifest) -> dict[str, torch.Tensor]:
     expected = expected_hashes(manifest)
-    data = _map_file(path, where, "tensors file")
     infos, _ = _read_header(data, where)
     missing = sorted(set(expected) - set(infos))
     if missing:
@@ -151,7 +175,41 @@ def read_block_checked(
     Raises FormatError (missing, truncated, other tensors or shapes) or IntegrityError (bytes differ).
     """
     where = str(path)
-    data = _map_file(path, where, f"block {key[:12]}")
+    return _block_checked(_map_file(path, where, f"block {key[:12]}"), where, key, block, shapes, dtype)
+
+
+def read_block_checked_bytes(
+    data: bytes | bytearray,
+    where: str,
+    key: BlockKey,
+    block: BlockRef | None,
+    shapes: dict[str, list[int]] | None,
+    dtype: str | None = None,
+) -> tuple[BlockRef, dict[str, torch.Tensor]]:
+    """`read_block_checked` over bytes already fetched (a remote store's object), with the same checks.
+
+    Args:
+        data: The block file's bytes; a bytearray is used in place, other bytes are copied once into one.
+        where: Where the bytes came from (a URL), for messages.
+        key: The block's chained key.
+        block: The manifest's entry; None checks against the digest the block declares.
+        shapes: Tensor names and shapes the block must hold; None accepts the block's own.
+        dtype: The torch dtype name every tensor must have; None accepts the block's own.
+
+    Returns:
+        The block's reference (key and digest) and its tensors, viewing `data`.
+    """
+    return _block_checked(_writable(data), where, key, block, shapes, dtype)
+
+
+def _block_checked(
+    data: Buffer,
+    where: str,
+    key: BlockKey,
+    block: BlockRef | None,
+    shapes: dict[str, list[int]] | None,
+    dtype: str | None,
+) -> tuple[BlockRef, dict[str, torch.Tensor]]:
     infos, metadata = _read_header(data, where)
     if shapes is not None and set(infos) != set(shapes):
         raise FormatError(f"{where}: block holds tensors {sorted(infos)}, the graft expects {sorted(shapes)}")
@@ -173,7 +231,28 @@ def read_block_checked(
 
 def declared_block_digest(path: Path, key: BlockKey) -> str | None:
     """The digest a block file declares in its header (its bytes are not read)."""
-    data = _map_file(path, str(path), f"block {key[:12]}")
-    _, metadata = _read_header(data, str(path))
+    return _declared_digest(_map_file(path, str(path), f"block {key[:12]}"), str(path))
+
+
+def declared_block_digest_bytes(data: bytes | bytearray, where: str) -> str | None:
+    """The digest a block declares in its header, from its bytes (the tensor bytes are not hashed).
+
+    Args:
+        data: The block file's bytes.
+        where: Where the bytes came from, for messages.
+
+    Returns:
+        The declared digest, or None when the header declares none.
+    """
+    return _declared_digest(_writable(data), where)
+
+
+def _declared_digest(data: Buffer, where: str) -> str | None:
+    _, metadata = _read_header(data, where)
     digest = metadata.get(BLOCK_DIGEST_KEY)
     return digest if isinstance(digest, str) else None
+
+
+def _writable(data: bytes | bytearray) -> bytearray:
+    """A writable buffer: torch refuses to view read-only memory without a warning, so bytes are copied once."""
+    return data if isinstance(data, bytearray) else bytearray(data)

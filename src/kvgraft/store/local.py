@@ -39,7 +39,7 @@ from kvgraft.format.tensor_files import (
     read_tensors_checked,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, StoredGraft
+from kvgraft.store.base import GC_GRACE_S, GraftStore, StoredGraft
 
 STORE_ENV = "KVGRAFT_STORE"
 DEFAULT_STORE_DIR = ".kvgraft"
@@ -50,8 +50,25 @@ def default_store_path() -> Path:
     return Path(os.environ.get(STORE_ENV) or DEFAULT_STORE_DIR)
 
 
-def open_store(path: str | Path | None = None) -> LocalStore:
-    return LocalStore(Path(path) if path is not None else default_store_path())
+def open_store(path: str | Path | None = None) -> GraftStore:
+    """The store at `path` (default: $KVGRAFT_STORE, else .kvgraft).
+
+    Args:
+        path: A directory, or an s3://BUCKET/PREFIX URL (endpoint from AWS_ENDPOINT_URL, credentials from the
+            standard AWS chain).
+
+    Returns:
+        An `S3Store` for an s3:// URL, a `LocalStore` otherwise.
+    """
+    target = path if path is not None else os.environ.get(STORE_ENV) or DEFAULT_STORE_DIR
+    # A str, not a Path: Path("s3://b/p") would fold the double slash.
+    if isinstance(target, str) and target.startswith("s3://"):
+        try:
+            from kvgraft.store.s3 import S3Store  # imported here: obstore is needed only for remote stores
+        except ImportError as exc:
+            raise StoreError(f"an s3:// store needs obstore ({exc.name} is missing): pip install obstore") from None
+        return S3Store(target)
+    return LocalStore(Path(target))
 
 
 class LocalStore:

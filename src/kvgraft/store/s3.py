@@ -1,0 +1,463 @@
+"""A content-addressed store in an S3 bucket (or any S3-compatible service), through obstore.
+
+Layout under s3://BUCKET/PREFIX/ is the local store's: grafts/<id>/manifest.json, grafts/<id>/tensors.safetensors
+and blocks/<2 hex>/<block key>.safetensors, so a synced copy is a valid local store (docs/FORMAT.md).
+
+Object stores have no rename and no lock, so the rules differ from the local store's (docs/FORMAT.md, "Remote
+stores"):
+
+- Commit point: a put uploads the blocks first, then the tensors file, then the manifest last with a conditional
+  create (`If-None-Match: *`). A graft is visible exactly when its manifest is; a killed upload leaves at most
+  unreferenced blocks (and a tensors file), which `gc` removes once older than its grace period.
+- Integrity: every manifest, tensors file and block fetched is checked exactly as a local read (the same checking
+  functions, over the fetched bytes); a mismatch raises and nothing is served.
+- Concurrent writers of one block write identical bytes (a block's key commits to its content under kvgraft's
+  exactness contract), so a plain overwrite is safe.
+- gc takes no lock: it removes unreferenced blocks whose last_modified is older than the grace period. A put that
+  reuses a stored block older than half the default grace period uploads it again, which renews its last_modified,
+  so a put that commits within half that period never names a block gc may remove.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Hashable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+import obstore
+import torch
+from obstore.exceptions import (
+    AlreadyExistsError,
+    BaseError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
+from obstore.store import S3Store as _ObjectStore
+
+from kvgraft.core.errors import FormatError, IntegrityError, KvgraftError, NotFoundError, StoreError
+from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
+from kvgraft.format.blocks import BLOCK_SUFFIX, assemble
+from kvgraft.format.manifest import (
+    MANIFEST_NAME,
+    BlockRef,
+    Manifest,
+    expected_block_shapes,
+    manifest_bytes,
+    parse_manifest,
+)
+from kvgraft.format.tensor_files import (
+    block_file_bytes,
+    declared_block_digest_bytes,
+    read_block_checked_bytes,
+    read_tensors_checked_bytes,
+    tensors_file_bytes,
+)
+from kvgraft.store.base import GC_GRACE_S, StoredGraft
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta
+    from obstore.store import S3Config
+
+S3_SCHEME = "s3://"
+ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+"""Endpoint overrides, most specific first (the AWS SDKs' names), for S3-compatible services."""
+
+# Bounded so that a dead endpoint fails in seconds: a few quick retries with backoff, then a clear error. The
+# request timeout is generous because one block of a large model is tens of MB.
+CONNECT_TIMEOUT = timedelta(seconds=3)
+REQUEST_TIMEOUT = timedelta(seconds=120)
+MAX_RETRIES = 3
+RETRY_TIMEOUT = timedelta(seconds=10)
+FETCH_WORKERS = 16
+"""Blocks fetched at once by `get`: enough to fill a fast link, few enough not to trip a service's rate limit."""
+
+_HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
+_GRAFT_MANIFEST = re.compile(rf"grafts/([0-9a-f]{{64}})/{re.escape(MANIFEST_NAME)}")
+_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken")
+_UNREACHABLE = ("error sending request", "timed out", "connection refused", "dns error", "connect error")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """The bucket and prefix (no leading or trailing slash, maybe empty) of an s3://BUCKET/PREFIX URL.
+
+    Args:
+        url: The store URL.
+
+    Returns:
+        (bucket, prefix). Raises StoreError when the URL names no bucket.
+    """
+    if not url.startswith(S3_SCHEME):
+        raise StoreError(f"{url!r} is not an s3:// URL")
+    bucket, _, prefix = url[len(S3_SCHEME) :].partition("/")
+    if not bucket:
+        raise StoreError(f"store URL {url!r} names no bucket (s3://BUCKET/PREFIX expected)")
+    return bucket, prefix.strip("/")
+
+
+def endpoint_from_env() -> str | None:
+    """The S3 endpoint override from the environment (AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL), if any."""
+    for name in ENDPOINT_ENVS:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+class S3Store:
+    """Implements `GraftStore` in an S3 bucket under a prefix (see the module docstring for the rules).
+
+    Credentials come from the standard AWS chain (environment, profile files, instance metadata), as obstore reads
+    them; the endpoint from `endpoint` or AWS_ENDPOINT_URL(_S3), for S3-compatible services.
+    """
+
+    def __init__(self, url: str, endpoint: str | None = None, fetch_workers: int = FETCH_WORKERS) -> None:
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.endpoint = endpoint or endpoint_from_env()
+        self._location = f"{S3_SCHEME}{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        config: S3Config = {}
+        if self.endpoint:
+            config["endpoint"] = self.endpoint
+        try:
+            self._store = _ObjectStore(
+                self.bucket,
+                prefix=self.prefix or None,
+                config=config,
+                client_options={
+                    # A loopback or private endpoint (moto, MinIO) is often plain http.
+                    "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
+                    "connect_timeout": CONNECT_TIMEOUT,
+                    "timeout": REQUEST_TIMEOUT,
+                },
+                retry_config={
+                    "max_retries": MAX_RETRIES,
+                    "retry_timeout": RETRY_TIMEOUT,
+                    "backoff": {
+                        "init_backoff": timedelta(milliseconds=100),
+                        "max_backoff": timedelta(seconds=2),
+                        "base": 2,
+                    },
+                },
+            )
+        except BaseError as exc:
+            raise StoreError(f"cannot open store {self._location}: {_first_line(exc)}") from None
+        self._fetch_workers = max(1, fetch_workers)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @property
+    def location(self) -> str:
+        return self._location
+
+    @property
+    def directory(self) -> Path | None:
+        return None
+
+    def url(self, path: str) -> str:
+        """The s3:// URL of an object of the store, for messages and `tensors_path`."""
+        return f"{self._location}/{path}"
+
+    # --- object access: every obstore error becomes a StoreError with one line ---
+
+    @contextlib.contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        try:
+            yield
+        except BaseError as exc:
+            self._raise_store_error(exc, doing)
+        except OSError as exc:  # obstore raises FileNotFoundError for a missing object (callers handle it first)
+            self._raise_store_error(exc, doing)
+
+    def _raise_store_error(self, exc: Exception, doing: str) -> NoReturn:
+        text = str(exc)
+        lowered = text.lower()
+        if "NoSuchBucket" in text:
+            raise StoreError(f"bucket {self.bucket} does not exist (store {self._location})") from None
+        code = next((c for c in _CREDENTIAL_CODES if c in text), None)
+        if code or isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+            raise StoreError(
+                f"access to store {self._location} denied ({code or type(exc).__name__}): check the AWS credentials"
+            ) from None
+        if any(marker in lowered for marker in _UNREACHABLE):
+            where = self.endpoint or "the AWS S3 endpoint"
+            raise StoreError(
+                f"cannot reach {where} for store {self._location} (gave up after {MAX_RETRIES} retries)"
+            ) from None
+        raise StoreError(f"cannot {doing} in store {self._location}: {_first_line(exc)}") from None
+
+    def _fetch(self, path: str) -> tuple[bytearray, datetime] | None:
+        """An object's bytes (writable, so tensors can view them) and last_modified; None when there is none."""
+        with self._errors(f"read {path}"):
+            try:
+                result = obstore.get(self._store, path)
+                data = bytearray(result.bytes())
+            except FileNotFoundError as exc:
+                if "NoSuchBucket" in str(exc):
+                    raise
+                return None
+            return data, result.meta["last_modified"]
+
+    def _head(self, path: str) -> ObjectMeta | None:
+        with self._errors(f"look up {path}"):
+            try:
+                return obstore.head(self._store, path)
+            except FileNotFoundError as exc:
+                if "NoSuchBucket" in str(exc):
+                    raise
+                return None
+
+    def _write(self, path: str, data: bytes) -> None:
+        with self._errors(f"write {path}"):
+            obstore.put(self._store, path, data)
+
+    def _create(self, path: str, data: bytes) -> bool:
+        """Write an object only if none is there (`If-None-Match: *`); False when one was."""
+        with self._errors(f"write {path}"):
+            try:
+                obstore.put(self._store, path, data, mode="create")
+            except (AlreadyExistsError, PreconditionError):
+                return False
+            except NotSupportedError:
+                # A service without conditional writes: the manifest's bytes are its id's, so a racing writer of
+                # the same graft writes the same bytes; only the created flag may then be wrong.
+                if self._head(path) is not None:
+                    return False
+                obstore.put(self._store, path, data)
+            return True
+
+    def _remove(self, path: str) -> None:
+        with self._errors(f"delete {path}"):
+            obstore.delete(self._store, path)
+
+    def _list(self, prefix: str) -> list[ObjectMeta]:
+        with self._errors(f"list {prefix}"):
+            return [meta for batch in obstore.list(self._store, prefix, chunk_size=1000) for meta in batch]
+
+    def _workers(self) -> ThreadPoolExecutor:
+        # obstore releases the GIL while it waits on the network and hashlib while it hashes, so threads overlap.
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._fetch_workers, thread_name_prefix="kvgraft-s3")
+            return self._pool
+
+    # --- the GraftStore interface ---
+
+    def _graft_path(self, graft_id: str, name: str) -> str:
+        return f"grafts/{graft_id}/{name}"
+
+    def block_path(self, key: str) -> str:
+        """The object path (under the prefix) of a block."""
+        return f"blocks/{key[:2]}/{key}{BLOCK_SUFFIX}"
+
+    def has_block(self, key: BlockKey) -> bool:
+        return self._head(self.block_path(key)) is not None
+
+    def read_block(
+        self,
+        key: BlockKey,
+        block: BlockRef | None = None,
+        shapes: dict[str, list[int]] | None = None,
+        dtype: str | None = None,
+    ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
+        """A block's tensors, fetched and checked against `block` or, when None, the digest the block declares."""
+        path = self.block_path(key)
+        fetched = self._fetch(path)
+        if fetched is None:
+            raise FormatError(f"{self.url(path)}: block {key[:12]} is missing")
+        return read_block_checked_bytes(fetched[0], self.url(path), key, block, shapes, dtype)
+
+    def put(
+        self,
+        manifest: Manifest,
+        tensors: dict[str, torch.Tensor],
+        blocks: dict[BlockKey, dict[str, torch.Tensor]] | None = None,
+    ) -> tuple[GraftId, bool]:
+        """Store a graft: the blocks given that the store lacks, the tensors file, then the manifest (the commit).
+
+        Every block the manifest lists must be given or already stored; a stored block must declare the same digest.
+        """
+        graft_id = manifest.id
+        manifest_path = self._graft_path(graft_id, MANIFEST_NAME)
+        if self._head(manifest_path) is not None:
+            return graft_id, False
+        given = blocks or {}
+        # Blocks are independent objects: upload them concurrently, then commit only once all are in place.
+        list(self._workers().map(lambda ref: self._put_block(ref, given.get(ref.key)), manifest.blocks))
+        self._write(self._graft_path(graft_id, manifest.tensors_file), tensors_file_bytes(tensors))
+        return graft_id, self._create(manifest_path, manifest_bytes(manifest))
+
+    def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> None:
+        path = self.block_path(ref.key)
+        fetched = self._fetch(path)
+        if fetched is not None:
+            data, modified = fetched
+            try:
+                # A block the writer does not give was read and hash-checked when the graft was built: its
+                # declared digest suffices. A block the writer computed again is checked in full.
+                where = self.url(path)
+                stored_digest = (
+                    declared_block_digest_bytes(data, where)
+                    if tensors is None
+                    else read_block_checked_bytes(data, where, ref.key, None, None)[0].sha256
+                )
+            except (IntegrityError, FormatError):
+                if tensors is None:
+                    raise
+                stored_digest = None  # a damaged copy: ours, computed afresh, replaces it (repairing other grafts)
+            if stored_digest is not None:
+                if stored_digest != ref.sha256:
+                    raise IntegrityError(
+                        f"block {ref.key[:12]} is stored with other bytes ({stored_digest[:12]}, this graft has "
+                        f"{ref.sha256[:12]}): the same tokens under the same fingerprint gave different KV"
+                    )
+                if _age_s(modified) >= GC_GRACE_S / 2:
+                    # No utime on an object store: rewriting the same bytes renews last_modified, so gc's grace
+                    # period covers this put until its manifest names the block.
+                    self._write(path, bytes(data))
+                return
+        if tensors is None:
+            raise StoreError(
+                f"block {ref.key[:12]} is neither stored nor given (removed while the graft was being built?); "
+                "build the graft again"
+            )
+        # A concurrent writer of the same block writes the same bytes, so a plain overwrite is safe.
+        self._write(path, block_file_bytes(tensors, ref.sha256))
+
+    def ids(self) -> list[GraftId]:
+        found = (_GRAFT_MANIFEST.fullmatch(meta["path"]) for meta in self._list("grafts"))
+        return sorted(GraftId(Sha256Hex(match.group(1))) for match in found if match)
+
+    def change_token(self) -> Hashable | None:
+        """None: S3 offers no cheap value that changes with every put and delete (no directory mtime; a listing
+        costs a request per thousand grafts), so readers refresh on a timer until the store keeps its own."""
+        return None
+
+    def prefetch(self, graft_id: str) -> bool:
+        """No faster tier of its own (a RAM or Redis tier goes in front of it): nothing to start."""
+        return False
+
+    def read_sidecar(self, name: str) -> bytes | None:
+        fetched = self._fetch(name)
+        return bytes(fetched[0]) if fetched is not None else None
+
+    def write_sidecar(self, name: str, data: bytes) -> None:
+        """Replace a sidecar object (an S3 put is atomic); a store we may not write to keeps none."""
+        with contextlib.suppress(StoreError):
+            self._write(name, data)
+
+    def resolve(self, id_or_prefix: str) -> GraftId:
+        prefix = id_or_prefix.strip().lower()
+        if not _HEX.fullmatch(prefix):
+            raise NotFoundError(f"{id_or_prefix!r} is not a graft id (hex digits expected)")
+        if len(prefix) == 64:  # a full id: one HEAD, not a listing of the whole store
+            if self._head(self._graft_path(prefix, MANIFEST_NAME)) is not None:
+                return GraftId(Sha256Hex(prefix))
+            raise NotFoundError(f"no graft {id_or_prefix} in store {self._location}")
+        matches = [i for i in self.ids() if i.startswith(prefix)]
+        if not matches:
+            raise NotFoundError(f"no graft {id_or_prefix} in store {self._location}")
+        if len(matches) > 1:
+            raise NotFoundError(
+                f"graft id prefix {id_or_prefix} is ambiguous ({len(matches)} grafts); give more digits"
+            )
+        return matches[0]
+
+    def manifest(self, graft_id: str) -> Manifest:
+        full = self.resolve(graft_id)
+        path = self._graft_path(full, MANIFEST_NAME)
+        fetched = self._fetch(path)
+        if fetched is None:  # deleted between the lookup and the read
+            raise NotFoundError(f"no graft {graft_id} in store {self._location}")
+        manifest = parse_manifest(bytes(fetched[0]), self.url(path))
+        if manifest.id != full:
+            raise NotFoundError(f"graft directory {full} holds graft {manifest.id}")
+        return manifest
+
+    def get(self, graft_id: str) -> StoredGraft:
+        """Read a graft: its blocks fetched concurrently (a bounded pool), each checked, then assembled."""
+        manifest = self.manifest(graft_id)
+        shapes = expected_block_shapes(manifest)
+        pool = self._workers()
+        pending = [pool.submit(self.read_block, ref.key, ref, shapes, manifest.dtype) for ref in manifest.blocks]
+        path = self._graft_path(manifest.id, manifest.tensors_file)
+        try:
+            fetched = self._fetch(path)
+            if fetched is None:
+                raise FormatError(f"{self.url(path)}: tensors file is missing")
+            tensors = read_tensors_checked_bytes(fetched[0], self.url(path), manifest)
+            blocks = [future.result()[1] for future in pending]
+        finally:
+            for future in pending:  # a failure stops what has not started; nothing partial is returned
+                future.cancel()
+        return StoredGraft(manifest, assemble(blocks) | tensors)
+
+    def delete(self, graft_id: str) -> None:
+        """Remove a graft (its manifest first, so no reader sees half a graft), then its blocks no other names."""
+        full = self.resolve(graft_id)
+        try:
+            blocks = {ref.key for ref in self.manifest(full).blocks}
+        except KvgraftError:
+            blocks = set()  # a broken manifest names no block we can trust; `gc` clears what it left
+        self._remove(self._graft_path(full, MANIFEST_NAME))
+        for meta in self._list(f"grafts/{full}"):
+            self._remove(meta["path"])
+        if blocks:
+            # If another graft is unreadable, what it names is unknown: then every block is kept.
+            with contextlib.suppress(KvgraftError):
+                for key in blocks - self.referenced_blocks():
+                    self._remove(self.block_path(key))
+
+    def referenced_blocks(self) -> set[str]:
+        """Keys of every block some graft's manifest names (reads every manifest; an unreadable one raises)."""
+        manifests = self._workers().map(self.manifest, self.ids())
+        return {ref.key for manifest in manifests for ref in manifest.blocks}
+
+    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
+        """Remove blocks no graft names whose last_modified is older than `grace_s`, and litter of killed puts
+        (graft objects without a manifest) as old; returns (blocks removed, bytes freed). Takes no lock: see the
+        module docstring for why a concurrent put is safe."""
+        referenced = self.referenced_blocks()
+        removed = freed = 0
+        for meta in self._list("blocks"):
+            key = Path(meta["path"]).name.removesuffix(BLOCK_SUFFIX)
+            if key in referenced or _age_s(meta["last_modified"]) < grace_s:
+                continue
+            self._remove(meta["path"])
+            removed, freed = removed + 1, freed + meta["size"]
+        committed = set(self.ids())
+        for meta in self._list("grafts"):
+            graft = meta["path"].split("/")[1]
+            if graft not in committed and _age_s(meta["last_modified"]) >= grace_s:
+                self._remove(meta["path"])
+        return removed, freed
+
+    def tensors_path(self, graft_id: str) -> str:
+        manifest = self.manifest(graft_id)
+        return self.url(self._graft_path(manifest.id, manifest.tensors_file))
+
+    def size_bytes(self, graft_id: str) -> int:
+        """Bytes the graft takes on its own: its objects plus every block it names (shared or not)."""
+        full = self.resolve(graft_id)
+        own = sum(meta["size"] for meta in self._list(f"grafts/{full}"))
+        sizes = self._workers().map(lambda ref: self._head(self.block_path(ref.key)), self.manifest(full).blocks)
+        return own + sum(meta["size"] for meta in sizes if meta is not None)
+
+    def disk_bytes(self) -> int:
+        """Bytes the store's objects take: every graft object and every block, each block counted once."""
+        return sum(meta["size"] for meta in self._list("grafts")) + sum(meta["size"] for meta in self._list("blocks"))
+
+
+def _age_s(modified: datetime) -> float:
+    return (datetime.now(UTC) - modified).total_seconds()
+
+
+def _first_line(exc: BaseException) -> str:
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
