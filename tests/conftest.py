@@ -16,7 +16,7 @@ from kvgraft.engine.engine import Engine
 from kvgraft.models.loading import load_model
 from kvgraft.store import LocalStore
 
-pytest_plugins = ["conftest_s3"]  # the S3 endpoint fixtures (a real moto server)
+pytest_plugins = ["conftest_s3", "conftest_redis"]  # a real moto server, a real redis-server
 
 TEST_CHUNK = 16
 TEXT = (

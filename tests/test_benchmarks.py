@@ -115,3 +115,20 @@ def test_exactness_cost_at_ci_scale(tmp_path: Path) -> None:
     assert data["check_over_plain"] == cnr["check_build_s"] / cnr["build_s"]
     assert data["cnr_over_no_cnr"] == cnr["build_s"] / no_cnr["build_s"]
     assert data["verify_over_build"] == cnr["verify_s"] / cnr["build_s"]
+
+
+def test_remote_store_at_ci_scale(tmp_path: Path) -> None:
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    # The services CI started, when it did; else the script starts its own on loopback.
+    given = [
+        *(["--endpoint", os.environ["KVGRAFT_TEST_S3_ENDPOINT"]] if "KVGRAFT_TEST_S3_ENDPOINT" in os.environ else []),
+        *(["--redis", os.environ["KVGRAFT_TEST_REDIS_URL"]] if "KVGRAFT_TEST_REDIS_URL" in os.environ else []),
+    ]
+    data = _run("remote_store.py", "--tokens", "256", "--layers", "1", "--reps", "1", *given, cwd=tmp_path)
+    rows = {row["backend"]: row for row in data["rows"]}
+    assert {"local", "s3"} <= set(rows) and len(data["graft_id"]) == 64
+    for row in rows.values():
+        assert row["bytes"] == rows["local"]["bytes"] > 0  # the same graft, byte for byte, on every backend
+        assert row["raw_over_restore"] == pytest.approx(row["raw_gb_s"] / row["restore_gb_s"])
+        assert row["recompute_over_graft"] == pytest.approx(row["ttft_recompute_s"] / row["ttft_graft_s"])

@@ -37,6 +37,13 @@ def _s3_store_class() -> type:
         pytest.skip(f"S3Store needs obstore ({exc.name} is missing)")
 
 
+def _redis_tier_class() -> type:
+    try:
+        return importlib.import_module("kvgraft.store.redis_tier").RedisTier  # type: ignore[no-any-return]
+    except ImportError as exc:
+        pytest.skip(f"RedisTier needs redis ({exc.name} is missing)")
+
+
 def _interface() -> dict[str, inspect.Signature | None]:
     """Public members of the Protocol: methods with their signatures, properties as None."""
     members: dict[str, inspect.Signature | None] = {}
@@ -47,10 +54,12 @@ def _interface() -> dict[str, inspect.Signature | None]:
     return members
 
 
-@pytest.mark.parametrize("kind", [LocalStore, CachedStore, "S3Store"])
+@pytest.mark.parametrize("kind", [LocalStore, CachedStore, "S3Store", "RedisTier"])
 def test_every_store_has_every_member_of_the_interface_with_its_signature(kind: type | str) -> None:
     if kind == "S3Store":
         kind = _s3_store_class()
+    elif kind == "RedisTier":
+        kind = _redis_tier_class()
     assert isinstance(kind, type)
     for name, signature in _interface().items():
         member = inspect.getattr_static(kind, name, None)
@@ -69,11 +78,17 @@ def _engine(store: GraftStore) -> Engine:
     return Engine(model, tokenizer, "random:gemma4", 16, store)
 
 
-@pytest.mark.parametrize("name", sorted(STORES) + REMOTE_STORES)
+@pytest.mark.parametrize("name", [*sorted(STORES), "redis", *REMOTE_STORES])
 def test_a_store_behaves_the_same_through_the_interface(
     name: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    store = _s3_store_class()(request.getfixturevalue("s3_url")) if name == "s3" else STORES[name](tmp_path / "s")
+    store: GraftStore
+    if name == "s3":
+        store = _s3_store_class()(request.getfixturevalue("s3_url"))
+    elif name == "redis":  # the shared RAM tier (a real redis-server, see conftest_redis.py) over a local store
+        store = _redis_tier_class()(LocalStore(tmp_path / "s"), request.getfixturevalue("redis_url"))
+    else:
+        store = STORES[name](tmp_path / "s")
     empty = store.change_token()
     assert store.ids() == [] and load_index(store) == {}
     put = _engine(store).put(TEXT, metadata={"title": "t"})

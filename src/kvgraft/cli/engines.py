@@ -21,6 +21,7 @@ def load_engine(
     graft: str | None = None,
     allow_env_mismatch: bool = False,
     cache_bytes: int | None = None,
+    shared_cache: str | None = None,
 ) -> Engine:
     """Load the engine; unspecified model, dtype and chunk size default to the graft's own when there is one.
 
@@ -33,6 +34,7 @@ def load_engine(
         graft: a graft id or prefix whose manifest supplies the defaults above.
         allow_env_mismatch: use grafts made under another numeric environment (reported as not exact).
         cache_bytes: size of the RAM tier of restored grafts in front of the store; None for none.
+        shared_cache: redis://HOST:PORT/DB of a block cache shared between processes; None for none.
 
     Returns:
         The loaded engine, on the opened store.
@@ -50,4 +52,5 @@ def load_engine(
         store=graft_store,
         allow_environment_mismatch=allow_env_mismatch,
         cache_bytes=cache_bytes,
+        shared_cache=shared_cache,
     )

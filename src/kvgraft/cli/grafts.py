@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvgraft.cli.engines import load_engine
 from kvgraft.cli.inputs import jsonl_items, read_text_file
-from kvgraft.cli.options import ChunkOpt, DtypeOpt, EnvOpt, JsonOpt, ModelOpt, StoreOpt
+from kvgraft.cli.options import ChunkOpt, DtypeOpt, EnvOpt, JsonOpt, ModelOpt, SharedCacheOpt, StoreOpt
 from kvgraft.cli.output import emit, err, out, progress
 from kvgraft.core.errors import BadInputError
 from kvgraft.core.sampling import SamplingParams
@@ -47,6 +47,7 @@ def build(
         ),
     ] = False,
     allow_env_mismatch: EnvOpt = False,
+    shared_cache: SharedCacheOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Build grafts from text and put them in the store (leading blocks already stored are reused, not computed)."""
@@ -55,7 +56,7 @@ def build(
         raise BadInputError("give exactly one of --text, --file or --jsonl")
     # A parent made under another environment is continued under this one: its blocks are keyed by the other
     # fingerprint, so every block of the new graft is computed here and the new graft is exact under this run.
-    engine = load_engine(model, store, chunk_size, dtype, after, allow_env_mismatch)
+    engine = load_engine(model, store, chunk_size, dtype, after, allow_env_mismatch, shared_cache=shared_cache)
     if jsonl is not None:
         items = jsonl_items(jsonl)
     else:
@@ -168,11 +169,14 @@ def generate(
     chunk_size: ChunkOpt = None,
     dtype: DtypeOpt = None,
     allow_env_mismatch: EnvOpt = False,
+    shared_cache: SharedCacheOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a continuation, optionally from a restored graft, with a receipt."""
     grafts = list(graft or [])
-    engine = load_engine(model, store, chunk_size, dtype, grafts[0] if grafts else None, allow_env_mismatch)
+    engine = load_engine(
+        model, store, chunk_size, dtype, grafts[0] if grafts else None, allow_env_mismatch, shared_cache=shared_cache
+    )
     params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
     with progress("prefill", not as_json) as on_chunk:
         result = engine.generate(prompt, None, params, on_chunk=on_chunk, graft_ids=grafts, approximate=approximate)

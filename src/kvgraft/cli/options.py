@@ -21,6 +21,10 @@ ModelOpt = Annotated[
 StoreOpt = Annotated[
     str | None, typer.Option("--store", "-s", help="Store directory (default: $KVGRAFT_STORE or ./.kvgraft).")
 ]
+SharedCacheOpt = Annotated[
+    str | None,
+    typer.Option("--shared-cache", help="Cache blocks in Redis, shared between processes: redis://HOST:PORT/DB."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 ChunkOpt = Annotated[
     int | None,

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from kvgraft.cli.engines import load_engine
-from kvgraft.cli.options import ChunkOpt, DtypeOpt, EnvOpt, ModelOpt, StoreOpt
+from kvgraft.cli.options import ChunkOpt, DtypeOpt, EnvOpt, ModelOpt, SharedCacheOpt, StoreOpt
 from kvgraft.server.config import API_KEY_ENV, ServerConfig
 
 # The limits' defaults are ServerConfig's own, so that the flags and the server cannot disagree.
@@ -43,6 +43,7 @@ def serve(
     cache_bytes: Annotated[
         int | None, typer.Option(min=0, help="Keep restored grafts in an LRU of this many bytes of RAM.")
     ] = None,
+    shared_cache: SharedCacheOpt = None,
     dense_model: Annotated[
         str | None,
         typer.Option("--dense-model", help="Retrieve with this local sentence-transformers directory (default: BM25)."),
@@ -69,6 +70,12 @@ def serve(
     config.check()  # before the model loads: a bad flag fails at once
     retriever = make_retriever(dense_model)
     engine = load_engine(
-        model, store, chunk_size, dtype, allow_env_mismatch=allow_env_mismatch, cache_bytes=cache_bytes
+        model,
+        store,
+        chunk_size,
+        dtype,
+        allow_env_mismatch=allow_env_mismatch,
+        cache_bytes=cache_bytes,
+        shared_cache=shared_cache,
     )
     uvicorn.run(create_app(engine, config, retriever), host=host, port=port, log_level=log_level)

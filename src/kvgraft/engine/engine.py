@@ -31,6 +31,7 @@ from kvgraft.format.receipt import Composition, CompositionMode, Receipt
 from kvgraft.models.loading import DEFAULT_DTYPE, load_model, max_positions
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.cache import CachedStore
+from kvgraft.store.redis_tier import with_shared_cache
 
 
 @dataclass(frozen=True)
@@ -200,10 +201,13 @@ class Engine:
         store: str | GraftStore | None = None,
         allow_environment_mismatch: bool = False,
         cache_bytes: int | None = None,
+        shared_cache: str | None = None,
     ) -> Engine:
-        """`cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of the store."""
-        model, tokenizer = load_model(spec, dtype=dtype, device=device)
+        """`shared_cache` (redis://HOST:PORT/DB) puts a Redis tier shared between processes in front of the store;
+        `cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of that (this process's RAM first)."""
         graft_store: GraftStore = store if store is not None and not isinstance(store, str) else open_store(store)
+        graft_store = with_shared_cache(graft_store, shared_cache)  # before the model loads: a bad URL fails at once
+        model, tokenizer = load_model(spec, dtype=dtype, device=device)
         if cache_bytes is not None:
             graft_store = CachedStore(graft_store, cache_bytes)
         return cls(model, tokenizer, spec, chunk_size, graft_store, allow_environment_mismatch)
