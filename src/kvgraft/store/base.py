@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import re
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from kvgraft.core.hashing import BlockKey, GraftId
+from kvgraft.core.errors import FormatError, IntegrityError, NotFoundError
+from kvgraft.core.hashing import BlockKey, Digest, GraftId, Sha256Hex
 from kvgraft.format.manifest import BlockRef, Manifest
 
 GC_GRACE_S = 3600.0
 """Unreferenced blocks younger than this are kept by gc: a build may be about to name them."""
+_HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
 
 
 @dataclass(frozen=True)
@@ -145,3 +148,151 @@ class GraftStore(Protocol):
         """Replace a derived file atomically; a store that cannot keep one (read-only) silently keeps none: derived
         data is always rebuilt from the grafts."""
         ...
+
+
+def resolve_id(
+    id_or_prefix: str, location: str, has_graft: Callable[[str], bool], ids: Callable[[], list[GraftId]]
+) -> GraftId:
+    """The one full graft id starting with `id_or_prefix`, for any store.
+
+    Args:
+        id_or_prefix: A full id or a unique prefix of one (hex digits).
+        location: The store's location, for messages.
+        has_graft: Whether the graft with this full id exists (one cheap check: a stat, a HEAD).
+        ids: Every graft id of the store (a listing; used only for prefixes).
+
+    Returns:
+        The full id.
+
+    Raises:
+        NotFoundError: not hex, no graft, or a prefix shared by several grafts.
+    """
+    prefix = id_or_prefix.strip().lower()
+    if not _HEX.fullmatch(prefix):
+        raise NotFoundError(f"{id_or_prefix!r} is not a graft id (hex digits expected)")
+    if len(prefix) == 64:  # a full id: one check, not a listing of the whole store
+        if has_graft(prefix):
+            return GraftId(Sha256Hex(prefix))
+        raise NotFoundError(f"no graft {id_or_prefix} in store {location}")
+    matches = [i for i in ids() if i.startswith(prefix)]
+    if not matches:
+        raise NotFoundError(f"no graft {id_or_prefix} in store {location}")
+    if len(matches) > 1:
+        raise NotFoundError(f"graft id prefix {id_or_prefix} is ambiguous ({len(matches)} grafts); give more digits")
+    return matches[0]
+
+
+def stored_block_digest(
+    ref: BlockRef,
+    given: dict[str, torch.Tensor] | None,
+    declared: Callable[[], str | None],
+    checked: Callable[[], Digest],
+) -> str | None:
+    """The digest of a block a put finds already stored, for any store; raises if it differs from the graft's.
+
+    A block the writer does not give was read and hash-checked when the graft was built, so its declared digest
+    suffices; a block the writer computed again is checked in full, and a damaged stored copy is then replaced by
+    the writer's (which repairs every graft naming it).
+
+    Args:
+        ref: The graft's entry for the block.
+        given: The writer's tensors for the block, or None when it reuses the stored one.
+        declared: Reads the digest the stored block declares in its header (not its bytes).
+        checked: Reads and hash-checks the stored block's bytes, returning their digest.
+
+    Returns:
+        The stored digest (equal to `ref.sha256`), or None when the stored copy is damaged and `given` replaces it.
+
+    Raises:
+        IntegrityError: the store holds other bytes under the same key, or a reused block is damaged.
+        FormatError: a reused block is unreadable.
+    """
+    try:
+        stored = declared() if given is None else checked()
+    except (IntegrityError, FormatError):
+        if given is None:
+            raise
+        return None
+    if stored != ref.sha256:
+        raise IntegrityError(
+            f"block {ref.key[:12]} is stored with other bytes ({str(stored)[:12]}, this graft has {ref.sha256[:12]}): "
+            "the same tokens under the same fingerprint gave different KV"
+        )
+    return stored
+
+
+class StoreTier:
+    """A tier in front of another store (`inner`): every member is `inner`'s until a subclass overrides it.
+
+    The RAM tier (`CachedStore`) and the Redis tier (`RedisTier`) override the reads they speed up.
+    """
+
+    def __init__(self, inner: GraftStore) -> None:
+        self.inner = inner
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    @property
+    def directory(self) -> Path | None:
+        return self.inner.directory
+
+    def put(
+        self,
+        manifest: Manifest,
+        tensors: dict[str, torch.Tensor],
+        blocks: dict[BlockKey, dict[str, torch.Tensor]] | None = None,
+    ) -> tuple[GraftId, bool]:
+        return self.inner.put(manifest, tensors, blocks)
+
+    def has_block(self, key: BlockKey) -> bool:
+        return self.inner.has_block(key)
+
+    def read_block(
+        self,
+        key: BlockKey,
+        block: BlockRef | None = None,
+        shapes: dict[str, list[int]] | None = None,
+        dtype: str | None = None,
+    ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
+        return self.inner.read_block(key, block, shapes, dtype)
+
+    def resolve(self, id_or_prefix: str) -> GraftId:
+        return self.inner.resolve(id_or_prefix)
+
+    def manifest(self, graft_id: str) -> Manifest:
+        return self.inner.manifest(graft_id)
+
+    def get(self, graft_id: str) -> StoredGraft:
+        return self.inner.get(graft_id)
+
+    def prefetch(self, graft_id: str) -> bool:
+        return self.inner.prefetch(graft_id)
+
+    def ids(self) -> list[GraftId]:
+        return self.inner.ids()
+
+    def change_token(self) -> Hashable | None:
+        return self.inner.change_token()
+
+    def delete(self, graft_id: str) -> None:
+        self.inner.delete(graft_id)
+
+    def tensors_path(self, graft_id: str) -> str:
+        return self.inner.tensors_path(graft_id)
+
+    def size_bytes(self, graft_id: str) -> int:
+        return self.inner.size_bytes(graft_id)
+
+    def disk_bytes(self) -> int:
+        return self.inner.disk_bytes()
+
+    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
+        return self.inner.gc(grace_s)
+
+    def read_sidecar(self, name: str) -> bytes | None:
+        return self.inner.read_sidecar(name)
+
+    def write_sidecar(self, name: str, data: bytes) -> None:
+        self.inner.write_sidecar(name, data)

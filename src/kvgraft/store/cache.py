@@ -10,28 +10,22 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
-import torch
-
-from kvgraft.core.hashing import BlockKey, GraftId
-from kvgraft.format.manifest import BlockRef, Manifest
-from kvgraft.store.base import GC_GRACE_S, GraftStore, StoredGraft
+from kvgraft.store.base import GraftStore, StoredGraft, StoreTier
 
 
 def stored_bytes(graft: StoredGraft) -> int:
     return sum(t.numel() * t.element_size() for t in graft.tensors.values())
 
 
-class CachedStore:
-    """Implements `GraftStore` by delegating to `inner`, with `get` served from an LRU of at most `max_bytes`."""
+class CachedStore(StoreTier):
+    """A tier implementing `GraftStore` over `inner`, with `get` served from an LRU of at most `max_bytes`."""
 
     def __init__(self, inner: GraftStore, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
-        self.inner = inner
+        super().__init__(inner)
         self.max_bytes = max_bytes
         self._lru: OrderedDict[str, tuple[StoredGraft, int]] = OrderedDict()
         self._lock = threading.Lock()
@@ -41,10 +35,6 @@ class CachedStore:
         self.hits = 0
         self.misses = 0
         self.prefetched = 0
-
-    @property
-    def location(self) -> str:
-        return self.inner.location
 
     def get(self, graft_id: str) -> StoredGraft:
         full = self.inner.resolve(graft_id)
@@ -75,10 +65,6 @@ class CachedStore:
                     _, (_, evicted) = self._lru.popitem(last=False)
                     self.resident_bytes -= evicted
         return graft
-
-    @property
-    def directory(self) -> Path | None:
-        return self.inner.directory
 
     def prefetch(self, graft_id: str) -> bool:
         """Start loading a graft into the cache in the background; False when it is cached or loading already."""
@@ -111,38 +97,6 @@ class CachedStore:
         with self._lock:
             return list(self._lru)
 
-    def put(
-        self,
-        manifest: Manifest,
-        tensors: dict[str, torch.Tensor],
-        blocks: dict[BlockKey, dict[str, torch.Tensor]] | None = None,
-    ) -> tuple[GraftId, bool]:
-        return self.inner.put(manifest, tensors, blocks)
-
-    def has_block(self, key: BlockKey) -> bool:
-        return self.inner.has_block(key)
-
-    def read_block(
-        self,
-        key: BlockKey,
-        block: BlockRef | None = None,
-        shapes: dict[str, list[int]] | None = None,
-        dtype: str | None = None,
-    ) -> tuple[BlockRef, dict[str, torch.Tensor]]:
-        return self.inner.read_block(key, block, shapes, dtype)
-
-    def resolve(self, id_or_prefix: str) -> GraftId:
-        return self.inner.resolve(id_or_prefix)
-
-    def manifest(self, graft_id: str) -> Manifest:
-        return self.inner.manifest(graft_id)
-
-    def ids(self) -> list[GraftId]:
-        return self.inner.ids()
-
-    def change_token(self) -> Hashable | None:
-        return self.inner.change_token()
-
     def delete(self, graft_id: str) -> None:
         full = self.inner.resolve(graft_id)
         with self._lock:
@@ -150,21 +104,3 @@ class CachedStore:
             if entry is not None:
                 self.resident_bytes -= entry[1]
         self.inner.delete(full)
-
-    def tensors_path(self, graft_id: str) -> str:
-        return self.inner.tensors_path(graft_id)
-
-    def size_bytes(self, graft_id: str) -> int:
-        return self.inner.size_bytes(graft_id)
-
-    def disk_bytes(self) -> int:
-        return self.inner.disk_bytes()
-
-    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
-        return self.inner.gc(grace_s)
-
-    def read_sidecar(self, name: str) -> bytes | None:
-        return self.inner.read_sidecar(name)
-
-    def write_sidecar(self, name: str, data: bytes) -> None:
-        self.inner.write_sidecar(name, data)

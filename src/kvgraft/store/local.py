@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvgraft.core.errors import FormatError, IntegrityError, KvgraftError, NotFoundError, StoreError
+from kvgraft.core.errors import KvgraftError, NotFoundError, StoreError
 from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
 from kvgraft.format.blocks import BLOCK_SUFFIX, assemble
 from kvgraft.format.manifest import (
@@ -39,11 +38,10 @@ from kvgraft.format.tensor_files import (
     read_tensors_checked,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, GraftStore, StoredGraft
+from kvgraft.store.base import GC_GRACE_S, GraftStore, StoredGraft, resolve_id, stored_block_digest
 
 STORE_ENV = "KVGRAFT_STORE"
 DEFAULT_STORE_DIR = ".kvgraft"
-_HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
 
 
 def default_store_path() -> Path:
@@ -180,22 +178,13 @@ class LocalStore:
     def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> None:
         path = self.block_path(ref.key)
         if path.is_file():
-            try:
-                # A block the writer does not give was read and hash-checked when the graft was built: its
-                # declared digest suffices. A block the writer computed again is checked in full.
-                stored_digest = (
-                    declared_block_digest(path, ref.key) if tensors is None else self.read_block(ref.key)[0].sha256
-                )
-            except (IntegrityError, FormatError):
-                if tensors is None:
-                    raise
-                stored_digest = None  # a damaged copy: ours, computed afresh, replaces it (repairing other grafts)
-            if stored_digest is not None:
-                if stored_digest != ref.sha256:
-                    raise IntegrityError(
-                        f"block {ref.key[:12]} is stored with other bytes ({stored_digest[:12]}, this graft has "
-                        f"{ref.sha256[:12]}): the same tokens under the same fingerprint gave different KV"
-                    )
+            stored = stored_block_digest(
+                ref,
+                tensors,
+                lambda: declared_block_digest(path, ref.key),
+                lambda: self.read_block(ref.key)[0].sha256,
+            )
+            if stored is not None:
                 os.utime(path)  # fresh again, so gc's grace period keeps it
                 return
         if tensors is None:
@@ -253,21 +242,9 @@ class LocalStore:
         os.replace(tmp, self.root / name)
 
     def resolve(self, id_or_prefix: str) -> GraftId:
-        prefix = id_or_prefix.strip().lower()
-        if not _HEX.fullmatch(prefix):
-            raise NotFoundError(f"{id_or_prefix!r} is not a graft id (hex digits expected)")
-        if len(prefix) == 64:  # a full id: one stat, not a listing of the whole store
-            if (self._grafts / prefix / MANIFEST_NAME).is_file():
-                return GraftId(Sha256Hex(prefix))
-            raise NotFoundError(f"no graft {id_or_prefix} in store {self.root}")
-        matches = [i for i in self.ids() if i.startswith(prefix)]
-        if not matches:
-            raise NotFoundError(f"no graft {id_or_prefix} in store {self.root}")
-        if len(matches) > 1:
-            raise NotFoundError(
-                f"graft id prefix {id_or_prefix} is ambiguous ({len(matches)} grafts); give more digits"
-            )
-        return matches[0]
+        return resolve_id(
+            id_or_prefix, self.location, lambda full: (self._grafts / full / MANIFEST_NAME).is_file(), self.ids
+        )
 
     def manifest(self, graft_id: str) -> Manifest:
         full = self.resolve(graft_id)

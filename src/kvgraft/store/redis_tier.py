@@ -19,24 +19,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 import torch
 
 from kvgraft.core.errors import FormatError, IntegrityError, KvgraftError, StoreError
-from kvgraft.core.hashing import BlockKey, GraftId
+from kvgraft.core.hashing import BlockKey
 from kvgraft.format.blocks import assemble
-from kvgraft.format.manifest import BlockRef, Manifest, expected_block_shapes, expected_hashes
+from kvgraft.format.manifest import BlockRef, expected_block_shapes, expected_hashes
 from kvgraft.format.tensor_files import (
     block_file_bytes,
     read_block_checked_bytes,
     read_tensors_checked_bytes,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, GraftStore, StoredGraft
+from kvgraft.store.base import GraftStore, StoredGraft, StoreTier
 
 if TYPE_CHECKING:
     import redis
@@ -79,13 +78,14 @@ def parse_redis_url(url: str) -> str:
     return url
 
 
-class RedisTier:
+class RedisTier(StoreTier):
     """Implements `GraftStore` by delegating to the durable `inner` store, with blocks (and each graft's own tensors)
     read through Redis at `url` (see the module docstring for the rules).
 
     Counters, per entry (a block or a graft's tensors file): `hits` (served from Redis, checked), `misses` (read
     from `inner`, corrupted entries included), `corrupt` (entries that failed their check, deleted), `errors`
-    (Redis calls that failed; the request then went to `inner`).
+    (Redis calls that failed; the request then went to `inner`). `gc` is `inner`'s: entries of the blocks it removes
+    stay in Redis until its LRU evicts them, never served since no manifest names them.
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class RedisTier:
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
         retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.url = parse_redis_url(url)
         try:  # imported here: the redis package is needed only with a shared cache
             import redis
@@ -284,38 +284,11 @@ class RedisTier:
         which warms Redis on the way."""
         return False
 
-    # --- everything else is the durable store's ---
+    # --- what differs from the durable store's (everything else is StoreTier's delegation) ---
 
     @property
     def location(self) -> str:
         return f"{self.url} over {self.inner.location}"
-
-    @property
-    def directory(self) -> Path | None:
-        return self.inner.directory
-
-    def put(
-        self,
-        manifest: Manifest,
-        tensors: dict[str, torch.Tensor],
-        blocks: dict[BlockKey, dict[str, torch.Tensor]] | None = None,
-    ) -> tuple[GraftId, bool]:
-        return self.inner.put(manifest, tensors, blocks)
-
-    def has_block(self, key: BlockKey) -> bool:
-        return self.inner.has_block(key)
-
-    def resolve(self, id_or_prefix: str) -> GraftId:
-        return self.inner.resolve(id_or_prefix)
-
-    def manifest(self, graft_id: str) -> Manifest:
-        return self.inner.manifest(graft_id)
-
-    def ids(self) -> list[GraftId]:
-        return self.inner.ids()
-
-    def change_token(self) -> Hashable | None:
-        return self.inner.change_token()
 
     def delete(self, graft_id: str) -> None:
         """Delete from `inner`, then drop the graft's entries that `inner` no longer holds. Only tidiness: a stale
@@ -328,26 +301,6 @@ class RedisTier:
         self.inner.delete(full)
         gone = [self._block_key(key) for key in keys if not self.inner.has_block(key)]
         self._drop([self._tensors_key(full), *gone])
-
-    def tensors_path(self, graft_id: str) -> str:
-        return self.inner.tensors_path(graft_id)
-
-    def size_bytes(self, graft_id: str) -> int:
-        return self.inner.size_bytes(graft_id)
-
-    def disk_bytes(self) -> int:
-        return self.inner.disk_bytes()
-
-    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
-        """gc of `inner`; entries of removed blocks stay in Redis until its LRU evicts them (never served: no
-        manifest names them)."""
-        return self.inner.gc(grace_s)
-
-    def read_sidecar(self, name: str) -> bytes | None:
-        return self.inner.read_sidecar(name)
-
-    def write_sidecar(self, name: str, data: bytes) -> None:
-        self.inner.write_sidecar(name, data)
 
 
 def _block_of(tensors: dict[str, torch.Tensor], shapes: dict[str, list[int]], index: int) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store as _ObjectStore
 
-from kvgraft.core.errors import FormatError, IntegrityError, KvgraftError, NotFoundError, StoreError
+from kvgraft.core.errors import FormatError, KvgraftError, NotFoundError, StoreError
 from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
 from kvgraft.format.blocks import BLOCK_SUFFIX, assemble
 from kvgraft.format.manifest import (
@@ -60,7 +60,7 @@ from kvgraft.format.tensor_files import (
     read_tensors_checked_bytes,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, StoredGraft
+from kvgraft.store.base import GC_GRACE_S, StoredGraft, resolve_id, stored_block_digest
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta
@@ -79,7 +79,6 @@ RETRY_TIMEOUT = timedelta(seconds=10)
 FETCH_WORKERS = 16
 """Blocks fetched at once by `get`: enough to fill a fast link, few enough not to trip a service's rate limit."""
 
-_HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
 _GRAFT_MANIFEST = re.compile(rf"grafts/([0-9a-f]{{64}})/{re.escape(MANIFEST_NAME)}")
 _CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken")
 _UNREACHABLE = ("error sending request", "timed out", "connection refused", "dns error", "connect error")
@@ -298,25 +297,14 @@ class S3Store:
         fetched = self._fetch(path)
         if fetched is not None:
             data, modified = fetched
-            try:
-                # A block the writer does not give was read and hash-checked when the graft was built: its
-                # declared digest suffices. A block the writer computed again is checked in full.
-                where = self.url(path)
-                stored_digest = (
-                    declared_block_digest_bytes(data, where)
-                    if tensors is None
-                    else read_block_checked_bytes(data, where, ref.key, None, None)[0].sha256
-                )
-            except (IntegrityError, FormatError):
-                if tensors is None:
-                    raise
-                stored_digest = None  # a damaged copy: ours, computed afresh, replaces it (repairing other grafts)
-            if stored_digest is not None:
-                if stored_digest != ref.sha256:
-                    raise IntegrityError(
-                        f"block {ref.key[:12]} is stored with other bytes ({stored_digest[:12]}, this graft has "
-                        f"{ref.sha256[:12]}): the same tokens under the same fingerprint gave different KV"
-                    )
+            where = self.url(path)
+            stored = stored_block_digest(
+                ref,
+                tensors,
+                lambda: declared_block_digest_bytes(data, where),
+                lambda: read_block_checked_bytes(data, where, ref.key, None, None)[0].sha256,
+            )
+            if stored is not None:
                 if _age_s(modified) >= GC_GRACE_S / 2:
                     # No utime on an object store: rewriting the same bytes renews last_modified, so gc's grace
                     # period covers this put until its manifest names the block.
@@ -353,21 +341,12 @@ class S3Store:
             self._write(name, data)
 
     def resolve(self, id_or_prefix: str) -> GraftId:
-        prefix = id_or_prefix.strip().lower()
-        if not _HEX.fullmatch(prefix):
-            raise NotFoundError(f"{id_or_prefix!r} is not a graft id (hex digits expected)")
-        if len(prefix) == 64:  # a full id: one HEAD, not a listing of the whole store
-            if self._head(self._graft_path(prefix, MANIFEST_NAME)) is not None:
-                return GraftId(Sha256Hex(prefix))
-            raise NotFoundError(f"no graft {id_or_prefix} in store {self._location}")
-        matches = [i for i in self.ids() if i.startswith(prefix)]
-        if not matches:
-            raise NotFoundError(f"no graft {id_or_prefix} in store {self._location}")
-        if len(matches) > 1:
-            raise NotFoundError(
-                f"graft id prefix {id_or_prefix} is ambiguous ({len(matches)} grafts); give more digits"
-            )
-        return matches[0]
+        return resolve_id(
+            id_or_prefix,
+            self.location,
+            lambda full: self._head(self._graft_path(full, MANIFEST_NAME)) is not None,
+            self.ids,
+        )
 
     def manifest(self, graft_id: str) -> Manifest:
         full = self.resolve(graft_id)
