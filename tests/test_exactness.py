@@ -78,7 +78,7 @@ def test_sampling_is_reproduced_from_the_seed(make_engine: EngineFactory) -> Non
 @pytest.mark.parametrize("arch", ["llama", "gemma4"])
 def test_unscheduled_prefill_is_not_bitwise_equal(make_engine: EngineFactory, arch: str) -> None:
     """The control that shows the exactness tests can fail: KV from one unchunked forward differs in its bits
-    from the same prefix computed under the schedule (README, "The exactness contract"; kvgraft/schedule.py)."""
+    from the same prefix computed under the schedule (README, "The exactness contract"; kvgraft/core/schedule.py)."""
     engine = make_engine(f"random:{arch}")
     tokens = engine.encode_context(_text(260))[:256]
     scheduled = DynamicCache(config=engine.model.config)
