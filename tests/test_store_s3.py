@@ -168,3 +168,14 @@ def test_an_unreachable_endpoint_fails_fast_with_a_store_error(s3_client: Any) -
 def test_a_url_without_a_bucket_is_refused() -> None:
     with pytest.raises(StoreError, match="names no bucket"):
         S3Store("s3:///lib")
+
+
+def test_a_replica_sees_another_replicas_puts_and_deletes_through_the_change_token(s3_url: str) -> None:
+    writer, replica = S3Store(s3_url), S3Store(s3_url)
+    before = replica.change_token()
+    put = _engine(writer).put(TEXT)
+    after_put = replica.change_token()
+    assert after_put != before and replica.ids() == [put.id]
+    assert _engine(writer).put(TEXT).created is False and replica.change_token() == after_put  # nothing new
+    replica.delete(put.id)
+    assert writer.change_token() not in (before, after_put) and writer.ids() == []

@@ -24,6 +24,7 @@ import contextlib
 import os
 import re
 import threading
+import uuid
 from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -76,6 +77,8 @@ CONNECT_TIMEOUT = timedelta(seconds=3)
 REQUEST_TIMEOUT = timedelta(seconds=120)
 MAX_RETRIES = 3
 RETRY_TIMEOUT = timedelta(seconds=10)
+GENERATION_NAME = "generation"
+"""An object every committed put and every delete rewrites: its ETag is the store's change token."""
 FETCH_WORKERS = 16
 """Blocks fetched at once by `get`: enough to fill a fast link, few enough not to trip a service's rate limit."""
 
@@ -290,7 +293,10 @@ class S3Store:
         # Blocks are independent objects: upload them concurrently, then commit only once all are in place.
         list(self._workers().map(lambda ref: self._put_block(ref, given.get(ref.key)), manifest.blocks))
         self._write(self._graft_path(graft_id, manifest.tensors_file), tensors_file_bytes(tensors))
-        return graft_id, self._create(manifest_path, manifest_bytes(manifest))
+        created = self._create(manifest_path, manifest_bytes(manifest))
+        if created:
+            self._bump()
+        return graft_id, created
 
     def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> None:
         path = self.block_path(ref.key)
@@ -323,9 +329,19 @@ class S3Store:
         return sorted(GraftId(Sha256Hex(match.group(1))) for match in found if match)
 
     def change_token(self) -> Hashable | None:
-        """None: S3 offers no cheap value that changes with every put and delete (no directory mtime; a listing
-        costs a request per thousand grafts), so readers refresh on a timer until the store keeps its own."""
-        return None
+        """The ETag of the store's generation object (one HEAD), which every committed put and every delete
+        rewrites, by any process: other replicas see a change at their next look, with no listing and no timer.
+
+        A writer killed between its manifest's commit and the rewrite leaves its graft unseen by this token until
+        the next put or delete anywhere in the store (the graft is whole and readable by id meanwhile).
+        """
+        meta = self._head(GENERATION_NAME)
+        if meta is None:
+            return ("empty",)
+        return (meta.get("e_tag"), str(meta["last_modified"]))
+
+    def _bump(self) -> None:
+        self._write(GENERATION_NAME, uuid.uuid4().hex.encode())
 
     def prefetch(self, graft_id: str) -> bool:
         """No faster tier of its own (a RAM or Redis tier goes in front of it): nothing to start."""
@@ -385,6 +401,7 @@ class S3Store:
         except KvgraftError:
             blocks = set()  # a broken manifest names no block we can trust; `gc` clears what it left
         self._remove(self._graft_path(full, MANIFEST_NAME))
+        self._bump()
         for meta in self._list(f"grafts/{full}"):
             self._remove(meta["path"])
         if blocks:
