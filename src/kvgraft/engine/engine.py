@@ -53,6 +53,8 @@ class PutResult:
     created: bool
     blocks: int = 0
     reused_blocks: int = 0
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
+    """The stored graft's manifest, so that callers need not read it back (not part of the JSON)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -375,6 +377,7 @@ class Engine:
             created,
             len(built.manifest.blocks),
             built.reused_blocks,
+            built.manifest,
         )
 
     # --- restore and generate -----------------------------------------------------------------------------

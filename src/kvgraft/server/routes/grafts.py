@@ -48,7 +48,8 @@ async def create_graft(request: Request, state: State) -> JSONResponse:
     def put(engine: Engine) -> GraftCreated:
         result = engine.put(body.text, body.metadata, after=body.after)
         state.library.invalidate()
-        entry = IndexEntry.of(engine.store.manifest(result.id), result.bytes)
+        assert result.manifest is not None  # Engine.put always gives it
+        entry = IndexEntry.of(result.manifest, result.bytes)
         return GraftCreated.of(entry, created=result.created)
 
     created: GraftCreated = await state.run(put)
