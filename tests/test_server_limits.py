@@ -93,6 +93,20 @@ BAD_INPUT: list[tuple[str, str, Any, int, dict[str, Any]]] = [
     (
         "POST",
         "/v1/completions",
+        b"[" * 8_000 + b"]" * 8_000,
+        400,
+        error("request body is not valid JSON: nested too deeply", None, "invalid_json"),
+    ),
+    (
+        "POST",
+        "/v1/completions",
+        b'{"model": "random:llama", "prompt": "x", "stop": ' + b"[" * 900 + b"]" * 900 + b"}",
+        400,
+        error("Invalid JSON: recursion limit exceeded at line 1 column 250", None, "invalid_value"),
+    ),
+    (
+        "POST",
+        "/v1/completions",
         b'{"model": "random:llama", "prompt": "x", "temperature": NaN}',
         400,
         error("request body is not valid JSON: NaN is not a JSON number", None, "invalid_json"),

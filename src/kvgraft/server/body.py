@@ -65,13 +65,16 @@ async def read_json(request: Request, schema: type[M], limit: int) -> M:
 
     Raises:
         ApiError: 413 for a body over `limit`; 400 for a body that is not UTF-8 JSON (NaN and lone surrogates
-            included), not an object, or not valid for `schema`.
+            included), nested too deeply, not an object, or not valid for `schema`.
     """
     raw = await read_body(request, limit)
     try:
         data: Any = json.loads(raw, parse_constant=_refuse_constant)
         # Lone surrogates (\ud800) parse but cannot be encoded, hashed or tokenized: refuse them here.
         json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        # Python's parser recurses once per level: a body of 50,000 "[" is valid JSON no request needs.
+        raise ApiError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
     except UnicodeEncodeError:
         raise ApiError(
             400, "request body holds a lone surrogate escape, which is not valid Unicode", code="invalid_json"
@@ -88,3 +91,5 @@ async def read_json(request: Request, schema: type[M], limit: int) -> M:
         return schema.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc, data) from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
