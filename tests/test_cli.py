@@ -817,3 +817,18 @@ def test_harvest_solutions_then_bench_json(tmp_path: Path) -> None:
     assert data["problems"][0]["grafted"]["path"] == "replay"
     assert data["receipts"]["verified"] == data["receipts"]["total"] >= 1
     assert Path(data["report"]).is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (
+            ["generate", "--max-new-tokens", "0", "hi"],
+            ["Invalid value for '--max-new-tokens'", "kvgraft generate --help"],
+        ),
+        (["generate", "--bogus"], ["No such option: --bogus"]),
+        (["store", "gc", "--grace", "soon"], ["Invalid value for '--grace'", "kvgraft store gc --help"]),
+    ],
+)
+def test_a_usage_error_is_one_error_line_and_exit_1(args: list[str], fragments: list[str]) -> None:
+    fails(cli(*args), *fragments)

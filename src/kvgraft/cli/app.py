@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from kvgraft.cli import flywheel, grafts, serve, store
-from kvgraft.cli.errors import handle_errors
+from kvgraft.cli.errors import OneLineErrors, handle_errors
 
 app = typer.Typer(
     name="kvgraft",
@@ -13,6 +13,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=OneLineErrors,
 )
 store_app = typer.Typer(help="The store as a whole.", no_args_is_help=True)
 app.add_typer(store_app, name="store")

@@ -6,11 +6,18 @@ Core errors say what went wrong; the remedy, when it is a flag, is the CLI's to 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
-from typing import ParamSpec
+from typing import Any, NoReturn, ParamSpec
 
 import typer
 from rich.markup import escape
+from typer.core import TyperGroup
+
+try:  # typer 0.2x vendors click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 from kvgraft.cli.output import err
 from kvgraft.core.errors import EnvironmentMismatchError, KvgraftError, NotAChainError
@@ -68,3 +75,32 @@ def handle_errors(func: Callable[P, None]) -> Callable[P, None]:
             raise typer.Exit(1) from None
 
     return run
+
+
+def _fail(line: str) -> NoReturn:
+    err.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    sys.exit(1)
+
+
+class OneLineErrors(TyperGroup):
+    """The command group whose usage errors (a bad value, an unknown option) are one `error:` line and exit code 1,
+    like every other bad input, instead of click's boxed usage message and exit code 2."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        standalone = kwargs.pop("standalone_mode", True)
+        kwargs["standalone_mode"] = False
+        if not standalone:
+            return super().main(*args, **kwargs)
+        try:
+            code = super().main(*args, **kwargs)
+        except click_errors.NoArgsIsHelpError as exc:
+            typer.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            sys.exit(exc.exit_code)
+        except click_errors.UsageError as exc:
+            where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+            _fail(f"{exc.format_message()}{where}")
+        except click_errors.ClickException as exc:  # a file option that cannot be opened, and the like
+            _fail(exc.format_message())
+        except typer.Abort:
+            _fail("aborted")
+        sys.exit(code if isinstance(code, int) else 0)
