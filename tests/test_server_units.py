@@ -20,7 +20,7 @@ from kvgraft.models.byte_tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
 from kvgraft.server.errors import from_kvgraft
 from kvgraft.server.grafting import LibraryView
 from kvgraft.server.prompts import TextStream, chat_prompt
-from kvgraft.server.receipts import ReceiptBook
+from kvgraft.server.receipts import DirectoryShelf, ReceiptBook
 from kvgraft.server.worker import ModelWorker, QueueFullError, WorkerUnavailableError
 from kvgraft.store import LocalStore
 
@@ -131,7 +131,7 @@ def test_receipts_are_kept_in_memory_and_on_disk(tmp_path: Path) -> None:
     model, tokenizer = cached_model("random:llama")
     engine = Engine(model, tokenizer, "random:llama", TEST_CHUNK)
     receipts = [engine.generate(f"text {i}", params=SamplingParams(max_new_tokens=2)).receipt for i in range(3)]
-    book = ReceiptBook(tmp_path / "receipts", capacity=2)
+    book = ReceiptBook(DirectoryShelf(tmp_path / "receipts"), capacity=2)
     ids = [book.add(r) for r in receipts]
     assert ids == [r.id for r in receipts]
     assert book.get(ids[0]) == receipts[0].to_json()  # evicted from memory, read back from disk
@@ -139,7 +139,7 @@ def test_receipts_are_kept_in_memory_and_on_disk(tmp_path: Path) -> None:
         path = tmp_path / "receipts" / f"{receipt_id}.json"
         assert parse_receipt(path.read_text(), str(path)).id == receipt_id
     (tmp_path / "receipts" / f"{ids[0]}.json").write_text(json.dumps(receipts[0].to_json() | {"model_name": "edited"}))
-    memory_only = ReceiptBook(tmp_path / "receipts", capacity=2)
+    memory_only = ReceiptBook(DirectoryShelf(tmp_path / "receipts"), capacity=2)
     with pytest.raises(NotFoundError, match="unreadable"):
         memory_only.get(ids[0])  # an edited file is never served
     with pytest.raises(BadInputError):

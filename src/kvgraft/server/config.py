@@ -26,7 +26,7 @@ class ServerConfig:
     default_completion_tokens: int = 16
     """max_tokens of /v1/completions when the request gives none (OpenAI's default); chat defaults to the limit."""
     receipts_dir: Path | None = None
-    """Where receipts are persisted; None means <store>/receipts for a local store."""
+    """A directory to persist receipts in; None keeps them in the store (`receipts/<id>.json`), shared by replicas."""
     receipts_in_memory: int = 1000
     retrieval_candidates: int = 3
     library_refresh_s: float = 5.0

@@ -18,7 +18,7 @@ from kvgraft.server.config import ServerConfig
 from kvgraft.server.errors import INTERNAL, ApiError, from_kvgraft
 from kvgraft.server.grafting import LibraryView
 from kvgraft.server.metrics import Metrics
-from kvgraft.server.receipts import ReceiptBook
+from kvgraft.server.receipts import DirectoryShelf, ReceiptBook, StoreShelf
 from kvgraft.server.worker import ModelWorker, QueueFullError, Ticket, WorkerUnavailableError
 
 log = logging.getLogger("uvicorn.error")
@@ -32,10 +32,8 @@ class ServerState:
         self.config = config
         self.metrics = Metrics()
         self.worker = ModelWorker(engine, config.max_queue, self.metrics.queue_depth.set)
-        receipts_dir = config.receipts_dir
-        if receipts_dir is None and engine.store.directory is not None:
-            receipts_dir = engine.store.directory / "receipts"
-        self.receipts = ReceiptBook(receipts_dir, config.receipts_in_memory)
+        shelf = DirectoryShelf(config.receipts_dir) if config.receipts_dir is not None else StoreShelf(engine.store)
+        self.receipts = ReceiptBook(shelf, config.receipts_in_memory)
         self.library = LibraryView(engine.store, config.library_refresh_s, retriever)
         self.model_id = engine.model_name
         self.created = int(time.time())

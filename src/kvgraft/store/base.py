@@ -11,13 +11,16 @@ from typing import Protocol
 
 import torch
 
-from kvgraft.core.errors import FormatError, IntegrityError, NotFoundError
+from kvgraft.core.errors import FormatError, IntegrityError, NotFoundError, StoreError
 from kvgraft.core.hashing import BlockKey, Digest, GraftId, Sha256Hex
 from kvgraft.format.manifest import BlockRef, Manifest
 
 GC_GRACE_S = 3600.0
 """Unreferenced blocks younger than this are kept by gc: a build may be about to name them."""
 _HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
+_SIDECAR = re.compile(r"(?:receipts/)?[A-Za-z0-9][A-Za-z0-9._-]*")  # used with fullmatch
+RECEIPTS_DIR = "receipts"
+"""Where a store keeps the receipts of served generations, as sidecars `receipts/<receipt id>.json`."""
 
 
 @dataclass(frozen=True)
@@ -141,13 +144,36 @@ class GraftStore(Protocol):
         ...
 
     def read_sidecar(self, name: str) -> bytes | None:
-        """A small derived file kept beside the grafts (the library index), or None when there is none."""
+        """A small file kept beside the grafts (the library index, `receipts/<id>.json`), or None when there is none.
+
+        Args:
+            name: a file name, or `receipts/` and a file name (`check_sidecar_name`).
+        """
         ...
 
     def write_sidecar(self, name: str, data: bytes) -> None:
-        """Replace a derived file atomically; a store that cannot keep one (read-only) silently keeps none: derived
-        data is always rebuilt from the grafts."""
+        """Replace a sidecar atomically; a store that cannot keep one (read-only) silently keeps none: the index is
+        always rebuilt from the grafts, and a receipt is also in the reply that carried it.
+
+        Args:
+            name: as in `read_sidecar`.
+            data: the file's bytes.
+        """
         ...
+
+
+def check_sidecar_name(name: str) -> str:
+    """A sidecar name, checked: one plain file name, or `receipts/` and one (never a path that climbs out).
+
+    Returns:
+        The name.
+
+    Raises:
+        StoreError: any other name (a caller's mistake, not a user's).
+    """
+    if not _SIDECAR.fullmatch(name):
+        raise StoreError(f"not a sidecar name: {name!r}")
+    return name
 
 
 def resolve_id(

@@ -38,7 +38,14 @@ from kvgraft.format.tensor_files import (
     read_tensors_checked,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, GraftStore, StoredGraft, resolve_id, stored_block_digest
+from kvgraft.store.base import (
+    GC_GRACE_S,
+    GraftStore,
+    StoredGraft,
+    check_sidecar_name,
+    resolve_id,
+    stored_block_digest,
+)
 
 STORE_ENV = "KVGRAFT_STORE"
 DEFAULT_STORE_DIR = ".kvgraft"
@@ -224,22 +231,27 @@ class LocalStore:
 
     def read_sidecar(self, name: str) -> bytes | None:
         try:
-            return (self.root / name).read_bytes()
+            return (self.root / check_sidecar_name(name)).read_bytes()
         except OSError:
             return None
 
     def write_sidecar(self, name: str, data: bytes) -> None:
         if not self.root.is_dir():
             return  # an empty store that does not exist yet has nothing to keep
+        final = self.root / check_sidecar_name(name)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f"{name}-", dir=self.root)
+            final.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f"{final.name}-", dir=final.parent)
         except OSError:
             return  # a read-only store still works, from the manifests
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.root / name)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, final)
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)  # a full disk keeps nothing, not a half-written file
 
     def resolve(self, id_or_prefix: str) -> GraftId:
         return resolve_id(

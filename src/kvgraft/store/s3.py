@@ -61,7 +61,7 @@ from kvgraft.format.tensor_files import (
     read_tensors_checked_bytes,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, StoredGraft, resolve_id, stored_block_digest
+from kvgraft.store.base import GC_GRACE_S, StoredGraft, check_sidecar_name, resolve_id, stored_block_digest
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta
@@ -348,13 +348,14 @@ class S3Store:
         return False
 
     def read_sidecar(self, name: str) -> bytes | None:
-        fetched = self._fetch(name)
+        fetched = self._fetch(check_sidecar_name(name))
         return bytes(fetched[0]) if fetched is not None else None
 
     def write_sidecar(self, name: str, data: bytes) -> None:
         """Replace a sidecar object (an S3 put is atomic); a store we may not write to keeps none."""
+        path = check_sidecar_name(name)
         with contextlib.suppress(StoreError):
-            self._write(name, data)
+            self._write(path, data)
 
     def resolve(self, id_or_prefix: str) -> GraftId:
         return resolve_id(
