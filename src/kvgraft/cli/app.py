@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kvgraft.cli import flywheel, grafts, serve, store
+from kvgraft.cli import flywheel, grafts, serve, store, transfer
 from kvgraft.cli.errors import OneLineErrors, handle_errors
 
 app = typer.Typer(
@@ -25,6 +25,8 @@ for name, command in (
     ("generate", grafts.generate),
     ("verify", grafts.verify),
     ("rm", grafts.rm),
+    ("export", transfer.export),
+    ("import", transfer.import_),
     ("harvest", flywheel.harvest),
     ("bench", flywheel.bench),
     ("demo", flywheel.demo),
@@ -33,6 +35,7 @@ for name, command in (
     app.command(name)(handle_errors(command))
 store_app.command("stats")(handle_errors(store.stats))
 store_app.command("gc")(handle_errors(store.gc))
+store_app.command("copy")(handle_errors(transfer.store_copy))
 
 
 def main() -> None:

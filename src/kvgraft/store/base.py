@@ -161,6 +161,17 @@ class GraftStore(Protocol):
         """
         ...
 
+    def own_tensors(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """A graft's own tensors, without its blocks, each checked against the manifest's hash.
+
+        Args:
+            manifest: The graft's manifest (as `manifest` returned it).
+
+        Returns:
+            `next_token_logits` [1, vocab] when every token has KV; nothing otherwise.
+        """
+        ...
+
 
 def check_sidecar_name(name: str) -> str:
     """A sidecar name, checked: one plain file name, or `receipts/` and one (never a path that climbs out).
@@ -322,3 +333,6 @@ class StoreTier:
 
     def write_sidecar(self, name: str, data: bytes) -> None:
         self.inner.write_sidecar(name, data)
+
+    def own_tensors(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        return self.inner.own_tensors(manifest)

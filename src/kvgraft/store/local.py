@@ -345,6 +345,10 @@ class LocalStore:
         grafts = sum(p.stat().st_size for d in self._grafts.glob("*") if d.is_dir() for p in d.iterdir())
         return grafts + sum(p.stat().st_size for p in self.block_files())
 
+    def own_tensors(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """The graft's tensors file (memory-mapped), checked against `manifest`; its blocks are not read."""
+        return read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
+
 
 def _write_synced(path: Path, data: bytes) -> None:
     with path.open("wb") as handle:

@@ -450,6 +450,14 @@ class S3Store:
         """Bytes the store's objects take: every graft object and every block, each block counted once."""
         return sum(meta["size"] for meta in self._list("grafts")) + sum(meta["size"] for meta in self._list("blocks"))
 
+    def own_tensors(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """The graft's tensors file, fetched and checked against `manifest`; its blocks are not fetched."""
+        path = self._graft_path(manifest.id, manifest.tensors_file)
+        fetched = self._fetch(path)
+        if fetched is None:
+            raise FormatError(f"{self.url(path)}: tensors file is missing")
+        return read_tensors_checked_bytes(fetched[0], self.url(path), manifest)
+
 
 def _age_s(modified: datetime) -> float:
     return (datetime.now(UTC) - modified).total_seconds()
