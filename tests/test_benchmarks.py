@@ -132,3 +132,14 @@ def test_remote_store_at_ci_scale(tmp_path: Path) -> None:
         assert row["bytes"] == rows["local"]["bytes"] > 0  # the same graft, byte for byte, on every backend
         assert row["raw_over_restore"] == pytest.approx(row["raw_gb_s"] / row["restore_gb_s"])
         assert row["recompute_over_graft"] == pytest.approx(row["ttft_recompute_s"] / row["ttft_graft_s"])
+
+
+def test_s3_clients_at_ci_scale(tmp_path: Path) -> None:
+    rows = _run(
+        "s3_clients.py", "--small", "4", "--big", "1", "--big-mb", "1", "--mem-mb", "1", "--rounds", "1", cwd=tmp_path
+    )
+    by_name = {row["name"]: row for row in rows}
+    obstore = by_name["obstore (sync, threads)"]
+    assert obstore["missing"] is None and obstore["create"] == "yes (2nd refused)"
+    assert all(len(obstore["seconds"][kind]) == 1 for kind in ("get_small", "put_small", "get_big", "put_big"))
+    assert by_name["raw HTTP (http.client, ceiling)"]["missing"] is None
