@@ -230,9 +230,22 @@ def test_build_file_and_ls(store: Path, tmp_path: Path) -> None:
     assert rows[by_text]["title"] is None
 
 
-def test_ls_of_a_missing_store_is_empty(store: Path) -> None:
-    assert ok_json(cli("ls", "--store", store, "--json")) == {"store": str(store), "grafts": []}
+@pytest.mark.parametrize("command", [("ls",), ("store", "stats"), ("store", "gc"), ("rm", "ab12"), ("inspect", "ab12")])
+def test_a_store_that_is_missing_or_a_file_is_an_error_not_an_empty_store(
+    store: Path, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    fails(cli(*command, "--store", store), f"no store at {store}")
     assert not store.exists()
+    afile = tmp_path / "afile"
+    afile.write_text("not a store")
+    fails(cli(*command, "--store", afile), f"store {afile} is not a directory")
+    fails(cli("build", "--text", "hi", "--store", afile), f"store {afile} is not a directory")
+    assert afile.read_text() == "not a store"
+
+
+def test_ls_of_an_empty_store_is_empty(store: Path) -> None:
+    store.mkdir()
+    assert ok_json(cli("ls", "--store", store, "--json")) == {"store": str(store), "grafts": []}
 
 
 def test_inspect_json_is_the_manifest_plus_an_absolute_tensors_path(

@@ -106,7 +106,7 @@ def graft_row(graft_id: str, manifest: Manifest) -> dict[str, Any]:
 
 def list_grafts(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     """List the grafts in the store."""
-    graft_store = open_store(store)
+    graft_store = open_store(store, must_exist=True)
     rows = [graft_row(graft_id, graft_store.manifest(graft_id)) for graft_id in graft_store.ids()]
 
     def render() -> None:
@@ -132,7 +132,7 @@ def inspect(
     as_json: JsonOpt = False,
 ) -> None:
     """Show a graft's manifest and where its tensors file is."""
-    graft_store = open_store(store)
+    graft_store = open_store(store, must_exist=True)
     manifest = graft_store.manifest(graft)
     data = manifest.to_json() | {"tensors_path": graft_store.tensors_path(manifest.id)}
 
@@ -287,7 +287,7 @@ def _verify_store(model: str | None, store: str | None, sample: int | None, seed
     """`verify --all`: every graft (or a sample), one engine per model, dtype and chunk size."""
     from kvgraft.engine.verify import choose_grafts, verify_grafts
 
-    graft_store = open_store(store)
+    graft_store = open_store(store, must_exist=True)
     chosen = choose_grafts(graft_store.ids(), sample, seed)
     engines: dict[tuple[str, str, int], Engine] = {}
 
@@ -323,7 +323,7 @@ def rm(
     as_json: JsonOpt = False,
 ) -> None:
     """Delete grafts from the store."""
-    graft_store = open_store(store)
+    graft_store = open_store(store, must_exist=True)
     full = [graft_store.resolve(g) for g in graft]
     for graft_id in full:
         graft_store.delete(graft_id)

@@ -16,7 +16,7 @@ def stats(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     """Grafts, tokens, bytes on disk and the dedup ratio of the store (from its persistent index)."""
     from kvgraft.library.index import store_stats
 
-    data = store_stats(open_store(store)).to_json()
+    data = store_stats(open_store(store, must_exist=True)).to_json()
 
     def render() -> None:
         table = Table("measure", "value")
@@ -35,6 +35,6 @@ def gc(
     as_json: JsonOpt = False,
 ) -> None:
     """Remove KV blocks that no graft names any more (left by an interrupted build)."""
-    removed, freed = open_store(store).gc(grace)
+    removed, freed = open_store(store, must_exist=True).gc(grace)
     data = {"removed_blocks": removed, "freed_bytes": freed}
     emit(as_json, data, lambda: out.print(f"removed {removed:,} unreferenced blocks, {freed:,} bytes"))

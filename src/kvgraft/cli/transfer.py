@@ -36,7 +36,7 @@ def store_copy(
     as_json: JsonOpt = False,
 ) -> None:
     """Copy grafts between stores, every hash checked, each block once; run it again to resume."""
-    source, destination = open_store(src), open_store(dst)
+    source, destination = open_store(src, must_exist=True), open_store(dst)
     with progress("copying", not as_json) as on_step:
         result = copy_grafts(source, destination, grafts or None, on_step)
     emit(as_json, result.to_json(), lambda: out.print(_copy_line(result), highlight=False, soft_wrap=True))
@@ -58,7 +58,7 @@ def export(
     as_json: JsonOpt = False,
 ) -> None:
     """Write grafts and receipts to a tar bundle that is itself a store: check it with docs/FORMAT.md's checker."""
-    graft_store = open_store(store)
+    graft_store = open_store(store, must_exist=True)
     checked = [_receipt(given, graft_store) for given in receipts or []]
     with progress("exporting", not as_json) as on_step:
         result = export_bundle(graft_store, grafts, checked, output, on_step)

@@ -55,15 +55,21 @@ def default_store_path() -> Path:
     return Path(os.environ.get(STORE_ENV) or DEFAULT_STORE_DIR)
 
 
-def open_store(path: str | Path | None = None) -> GraftStore:
+def open_store(path: str | Path | None = None, must_exist: bool = False) -> GraftStore:
     """The store at `path` (default: $KVGRAFT_STORE, else .kvgraft).
 
     Args:
         path: A directory, or an s3://BUCKET/PREFIX URL (endpoint from AWS_ENDPOINT_URL, credentials from the
             standard AWS chain).
+        must_exist: refuse a local directory that does not exist (commands that only read a store); otherwise it
+            is created by the first put.
 
     Returns:
         An `S3Store` for an s3:// URL, a `LocalStore` otherwise.
+
+    Raises:
+        StoreError: a local path that exists but is not a directory.
+        NotFoundError: with `must_exist`, a local path that does not exist.
     """
     target = path if path is not None else os.environ.get(STORE_ENV) or DEFAULT_STORE_DIR
     # A str, not a Path: Path("s3://b/p") would fold the double slash.
@@ -73,7 +79,12 @@ def open_store(path: str | Path | None = None) -> GraftStore:
         except ImportError as exc:
             raise StoreError(f"an s3:// store needs obstore ({exc.name} is missing): pip install obstore") from None
         return S3Store(target)
-    return LocalStore(Path(target))
+    root = Path(target)
+    if root.exists() and not root.is_dir():
+        raise StoreError(f"store {root} is not a directory")
+    if must_exist and not root.exists():
+        raise NotFoundError(f"no store at {root}: nothing has been stored there (check --store or ${STORE_ENV})")
+    return LocalStore(root)
 
 
 class LocalStore:
