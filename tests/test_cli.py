@@ -603,6 +603,8 @@ def test_generate_past_the_model_positions(store: Path) -> None:
 
 
 def test_unknown_graft_id(store: Path) -> None:
+    fails(cli("inspect", "abc123", "--store", store), f"no store at {store}")
+    store.mkdir()
     fails(cli("inspect", "abc123", "--store", store), f"no graft abc123 in store {store}")
     gid = build(store, TEXT_48)
     other = ("0" if gid[0] != "0" else "1") + gid[1:]

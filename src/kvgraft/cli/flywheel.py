@@ -45,19 +45,49 @@ def harvest(
     ] = True,
     model: ModelOpt = None,
     store: StoreOpt = None,
+    shared_cache: Annotated[
+        str | None,
+        typer.Option("--shared-cache", help="Cache blocks in Redis, shared between processes: redis://HOST:PORT/DB."),
+    ] = None,
+    ray: Annotated[
+        bool,
+        typer.Option("--ray", help="Spread the problems over Ray actors, one model each (same grafts as without)."),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="With --ray: the cluster, HOST:PORT or ray://HOST:PORT (default: $RAY_ADDRESS, else a local Ray).",
+        ),
+    ] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="With --ray: actors (default 2).")] = None,
+    cpus_per_worker: Annotated[
+        float | None, typer.Option("--cpus-per-worker", min=0.01, help="With --ray: CPUs per actor (default 1).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Solve, verify, store: replay grafts of verified solutions (and context blocks), with their upstream cost."""
+    from kvgraft.core.errors import BadInputError
     from kvgraft.flywheel.datasets import load_dataset
+    from kvgraft.flywheel.distributed import EngineSpec, RaySettings, WorkerPool
     from kvgraft.flywheel.harvest import HarvestSummary, build_blocks, import_solutions
     from kvgraft.flywheel.harvest import harvest as run_harvest
 
+    if not ray and (ray_address, workers, cpus_per_worker) != (None, None, None):
+        raise BadInputError("--ray-address, --workers and --cpus-per-worker go with --ray")
+    settings = RaySettings.of(ray_address, workers, cpus_per_worker) if ray else None
     items = load_dataset(solutions or dataset)[:limit]
-    engine = load_engine(model or "demo", store)
+    engine = load_engine(model or "demo", store, shared_cache=shared_cache)
     started = time.perf_counter()
     with progress("harvest", not as_json) as on_chunk:
         on_item = (lambda done, total: on_chunk(done, total)) if on_chunk else None
-        if solutions is not None:
+        if settings is not None:
+            with WorkerPool.open(EngineSpec.of(engine, store, shared_cache), settings, engine.fingerprint) as pool:
+                if solutions is not None:
+                    records = pool.import_solutions(items, on_item, check=check)
+                else:
+                    records = pool.harvest(items, attempts, budget, temperature, on_item=on_item, check=check)
+        elif solutions is not None:
             records = import_solutions(engine, items, on_item, check=check)
         else:
             records = run_harvest(engine, items, attempts, budget, temperature, on_item=on_item, check=check)

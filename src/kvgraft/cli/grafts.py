@@ -48,12 +48,28 @@ def build(
     ] = False,
     allow_env_mismatch: EnvOpt = False,
     shared_cache: SharedCacheOpt = None,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Build the texts on Ray actors, one model each (same grafts as without).")
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="With --ray: the cluster, HOST:PORT or ray://HOST:PORT (default: $RAY_ADDRESS, else a local Ray).",
+        ),
+    ] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="With --ray: actors (default 2).")] = None,
+    cpus_per_worker: Annotated[
+        float | None, typer.Option("--cpus-per-worker", min=0.01, help="With --ray: CPUs per actor (default 1).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Build grafts from text and put them in the store (leading blocks already stored are reused, not computed)."""
     sources = [s for s in (text, file, jsonl) if s is not None]
     if len(sources) != 1:
         raise BadInputError("give exactly one of --text, --file or --jsonl")
+    if not ray and (ray_address, workers, cpus_per_worker) != (None, None, None):
+        raise BadInputError("--ray-address, --workers and --cpus-per-worker go with --ray")
     # A parent made under another environment is continued under this one: its blocks are keyed by the other
     # fingerprint, so every block of the new graft is computed here and the new graft is exact under this run.
     engine = load_engine(model, store, chunk_size, dtype, after, allow_env_mismatch, shared_cache=shared_cache)
@@ -69,8 +85,16 @@ def build(
             raise BadInputError(f"{jsonl}:{number}: {exc}" if jsonl is not None else str(exc)) from None
     results = []
     with progress("building", not as_json) as on_chunk:
-        for body, metadata in items:
-            results.append(engine.put(body, metadata, on_chunk, after=after, check=check).to_json())
+        if ray:
+            from kvgraft.flywheel.distributed import EngineSpec, RaySettings, WorkerPool
+
+            spec = EngineSpec.of(engine, store, shared_cache, allow_env_mismatch)
+            settings = RaySettings.of(ray_address, workers, cpus_per_worker)
+            with WorkerPool.open(spec, settings, engine.fingerprint) as pool:
+                results = pool.put(items, after=after, check=check, on_item=on_chunk)
+        else:
+            for body, metadata in items:
+                results.append(engine.put(body, metadata, on_chunk, after=after, check=check).to_json())
     payload: Any = results if jsonl is not None else results[0]
 
     def render() -> None:

@@ -252,7 +252,9 @@ class UpstreamFigures:
     grafts_used: int
     harvest_tokens: int
     """tokens generated to find the used grafts' solutions, failed attempts included"""
-    harvest_wall_s: float
+    harvest_wall_s: float | None
+    """seconds spent solving the used grafts' problems, when this run harvested them (or older grafts recorded
+    it); None when unknown"""
     seen_grafted_tokens: int
     """decode tokens of the grafted rung on seen problems"""
     seen_bare_tokens: int
@@ -518,7 +520,13 @@ def _receipt_checked(result: ProblemResult, exact: bool) -> ProblemResult:
     return replace(result, grafted=replace(result.grafted, receipt_verified=exact))
 
 
-def summarize(results: list[ProblemResult], budget: int, facts: LadderFacts, gate: Gate) -> BenchSummary:
+def summarize(
+    results: list[ProblemResult],
+    budget: int,
+    facts: LadderFacts,
+    gate: Gate,
+    solve_wall_s: Mapping[str, float] | None = None,
+) -> BenchSummary:
     """Count a ladder run.
 
     Args:
@@ -526,6 +534,8 @@ def summarize(results: list[ProblemResult], budget: int, facts: LadderFacts, gat
         budget: the most new tokens per answer the run used.
         facts: `run_ladder`'s facts.
         gate: the gate the run used.
+        solve_wall_s: seconds the harvest spent on each problem, by problem id, when it ran in the same process
+            (a graft does not record its wall time: its id must not depend on it).
 
     Returns:
         The summary, unlabelled (set model, dataset and the rest with `dataclasses.replace`).
@@ -537,11 +547,15 @@ def summarize(results: list[ProblemResult], budget: int, facts: LadderFacts, gat
         }
         for rung in Rung
     }
-    used = [r.upstream for r in results if r.seen and r.upstream is not None]
+    used = [(r.id, r.upstream) for r in results if r.seen and r.upstream is not None]
+    walls = [
+        u.cost.wall_s if u.cost and u.cost.wall_s is not None else (solve_wall_s or {}).get(problem_id)
+        for problem_id, u in used
+    ]
     upstream = UpstreamFigures(
         grafts_used=len(used),
-        harvest_tokens=sum(u.cost.tokens_generated if u.cost else 0 for u in used),
-        harvest_wall_s=sum(u.cost.wall_s if u.cost and u.cost.wall_s is not None else 0.0 for u in used),
+        harvest_tokens=sum(u.cost.tokens_generated if u.cost else 0 for _, u in used),
+        harvest_wall_s=sum(w for w in walls if w is not None) if walls and None not in walls else None,
         seen_grafted_tokens=rungs[Rung.GRAFTED][Split.SEEN].decode_tokens_total,
         seen_bare_tokens=rungs[Rung.BARE][Split.SEEN].decode_tokens_total,
     )

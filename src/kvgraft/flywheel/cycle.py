@@ -63,7 +63,10 @@ def run_flywheel(
         engine, items, Library.from_store(engine.store), plan.budget, gate, on_problem=_stage(on_progress, "bench")
     )
     summary = replace(
-        summarize(results, plan.budget, facts, gate), model=engine.model_name, dataset=plan.dataset, harvest=harvested
+        summarize(results, plan.budget, facts, gate, {r.problem_id: r.wall_s for r in records}),
+        model=engine.model_name,
+        dataset=plan.dataset,
+        harvest=harvested,
     )
     return write_report(summary, report_dir)
 

@@ -192,7 +192,9 @@ def _solve(
     graft_id: GraftId | None = None
     build_s = 0.0
     if solution is not None:
-        cost = HarvestCost(attempts=tries, tokens_generated=tokens, wall_s=round(wall, 4))
+        # No wall time in the graft: its id hashes its metadata, and the same seeds must give the same id on any
+        # run, machine or Ray worker. The record keeps the time (HarvestRecord.wall_s).
+        cost = HarvestCost(attempts=tries, tokens_generated=tokens)
         graft_id, build_s = _store_replay(engine, item, solution, cost, SolutionSource.MODEL, check)
     return HarvestRecord(
         problem_id=item.id,

@@ -147,7 +147,8 @@ def _markdown(summary: BenchSummary) -> str:
         "## Upstream cost",
         "",
         f"The {up.grafts_used} replay grafts used here cost {up.harvest_tokens} generated tokens and "
-        f"{up.harvest_wall_s:.1f} s of harvest (every attempt on those problems, failed attempts"
+        + (f"{up.harvest_wall_s:.1f} s" if up.harvest_wall_s is not None else "an untimed amount")
+        + " of harvest (every attempt on those problems, failed attempts"
         f" included), used {up.uses_per_graft}"
         f" time(s) each: {_num(up.amortized_tokens_per_use)} tokens per use. On seen problems, grafted decode"
         f" tokens plus that upstream cost: {up.seen_grafted_tokens_including_upstream}, against "

@@ -45,7 +45,8 @@ class HarvestCost:
     attempts: int
     tokens_generated: int
     wall_s: float | None = None
-    """seconds spent solving, rounded to 0.1 ms; None for an imported solution (none were spent here)"""
+    """seconds spent solving, as grafts harvested before ids were made reproducible recorded it; None in new grafts
+    (an id must not depend on timing) and for imported solutions"""
 
     def to_json(self) -> dict[str, Any]:
         """Returns: {"attempts", "tokens_generated"[, "wall_s"]}, as stored in the metadata."""
