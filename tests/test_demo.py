@@ -41,6 +41,14 @@ def test_demo_quick_runs_the_flywheel_and_every_receipt_verifies(tmp_path: Path)
     report = Path(data["report"])
     assert report.is_file() and (report.parent / "ladder.png").is_file() and (report.parent / "tokens.png").is_file()
     assert json.loads((report.parent / "results.json").read_text())["rungs"] == rungs
+    # Every grafted answer's receipt is in the report, and re-checks after the run; the store is kept beside it.
+    receipts = sorted((report.parent / "receipts").iterdir())
+    assert len(receipts) == data["receipts"]["total"]
+    checked = CliRunner().invoke(app, ["verify", "--receipt", str(receipts[0]), "--model", "demo", "--json"])
+    assert checked.exit_code == 0, checked.output
+    assert json.loads(checked.stdout)["exact"] is True
+    listed = CliRunner().invoke(app, ["ls", "--store", str(report.parent / "store"), "--json"])
+    assert {g["id"] for g in json.loads(listed.stdout)["grafts"]} >= set(data["harvest"]["replay_grafts"])
 
 
 def test_harvest_with_the_demo_model_stores_only_verified_solutions(tmp_path: Path) -> None:

@@ -187,22 +187,28 @@ def demo(
         ),
     ] = False,
     store: Annotated[
-        str | None, typer.Option("--store", "-s", help="Keep the demo's grafts here (default: a temporary store).")
+        str | None,
+        typer.Option(
+            "--store",
+            "-s",
+            help="Keep the demo's grafts here (default: <out>/store; --exactness alone: a temporary store).",
+        ),
     ] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("kvgraft-report"),
     as_json: JsonOpt = False,
 ) -> None:
     """The flywheel on the demo model: harvest half the exam, then the ladder (bare, grafted, gated) on all of it."""
-    with tempfile.TemporaryDirectory(prefix="kvgraft-demo-") as tmp:
-        if exactness:
+    if exactness:
+        with tempfile.TemporaryDirectory(prefix="kvgraft-demo-") as tmp:
             _exactness_demo(Path(store or tmp), store is None, as_json)
-            return
-        from kvgraft.flywheel.cycle import QUICK, FlywheelPlan, run_flywheel
+        return
+    from kvgraft.flywheel.cycle import QUICK, FlywheelPlan, run_flywheel
 
-        engine = Engine.load("demo", store=store or tmp)
-        with progress("demo", not as_json) as on_chunk:
-            on_progress = (lambda stage, done, total: on_chunk(done, total)) if on_chunk else None
-            summary = run_flywheel(engine, QUICK if quick else FlywheelPlan(), out_dir, on_progress)
+    # Kept beside the report, so that its grafts and receipts can be re-checked after the run.
+    engine = Engine.load("demo", store=store or str(out_dir / "store"))
+    with progress("demo", not as_json) as on_chunk:
+        on_progress = (lambda stage, done, total: on_chunk(done, total)) if on_chunk else None
+        summary = run_flywheel(engine, QUICK if quick else FlywheelPlan(), out_dir, on_progress)
     emit(as_json, summary.to_json(), lambda: _print_ladder(summary))
     if not summary.receipts.all_verified:
         raise typer.Exit(1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -162,6 +162,8 @@ class ReceiptTally:
     total: int
     verified: int | None
     """None when the receipts were not rerun"""
+    kept: tuple[Receipt, ...] = field(default=(), compare=False)
+    """the receipts themselves, in problem order (a report writes each to receipts/<id>.json)"""
 
     @property
     def all_verified(self) -> bool:
@@ -512,7 +514,8 @@ def run_ladder(
             for result, receipt in asked
         ]
         verified = sum(bool(result.grafted.receipt_verified) for result in results)
-    tally = ReceiptTally(total=sum(receipt is not None for _, receipt in asked), verified=verified)
+    kept = tuple(receipt for _, receipt in asked if receipt is not None)
+    tally = ReceiptTally(total=len(kept), verified=verified, kept=kept)
     return results, LadderFacts(wall_s=bench_wall, energy=energy, receipts=tally)
 
 

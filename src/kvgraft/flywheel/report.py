@@ -53,7 +53,8 @@ def ladder_table(summary: BenchSummary) -> list[list[str]]:
 
 
 def write_report(summary: BenchSummary, out_dir: Path) -> BenchSummary:
-    """Write results.json, report.md, ladder.png and tokens.png into a directory (created if need be).
+    """Write results.json, report.md, ladder.png, tokens.png and receipts/<id>.json (every grafted answer's receipt)
+    into a directory (created if need be).
 
     Args:
         summary: a bench summary.
@@ -63,8 +64,10 @@ def write_report(summary: BenchSummary, out_dir: Path) -> BenchSummary:
         The summary with `report` set to report.md's absolute path (results.json holds exactly its JSON).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    # README lists receipts/ in the report; the ladder's receipts have never been written into it (kept as it was).
-    (out_dir / "receipts").mkdir(exist_ok=True)
+    receipts = out_dir / "receipts"
+    receipts.mkdir(exist_ok=True)
+    for receipt in summary.receipts.kept:  # each re-checkable later: kvgraft verify --receipt receipts/<id>.json
+        receipt.write(receipts / f"{receipt.id}.json")
     _plot_ladder(summary, out_dir / "ladder.png")
     _plot_tokens(summary, out_dir / "tokens.png")
     written = replace(summary, report=str((out_dir / "report.md").resolve()))
