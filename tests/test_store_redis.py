@@ -93,7 +93,7 @@ def test_an_aligned_grafts_own_tensors_go_through_the_tier_too(
     client = redis_server.client()
     client.delete(f"kvgraft:tensors:{put.id}", f"kvgraft:block:{manifest.blocks[1].key}")
     second = RedisTier(local, redis_url)
-    same(second)  # the own tensors missed: the whole graft came from the store, the missing block cut out of it
+    same(second)  # the own tensors and one block missed: both read from the store, the other blocks from Redis
     assert second.misses == 2 and second.hits == len(manifest.blocks) - 1
     third = RedisTier(local, redis_url)
     same(third)

@@ -126,7 +126,7 @@ def client_message(exc: KvgraftError) -> str:
 
 
 def from_kvgraft(exc: KvgraftError, param: str | None = None) -> ApiError:
-    """The reply to a kvgraft error: the caller's mistakes are 4xx, a damaged store is 500.
+    """The reply to a kvgraft error: the caller's mistakes are 4xx, a damaged graft is 500, a store out of reach 503.
 
     Args:
         exc: the error.
@@ -148,7 +148,9 @@ def from_kvgraft(exc: KvgraftError, param: str | None = None) -> ApiError:
         # The stored graft is damaged: the server's problem, but the message is one safe line worth showing.
         return ApiError(500, message, param=param, code="graft_damaged")
     if isinstance(exc, StoreError):
-        return ApiError(500, message, code="store_error")
+        # The store cannot be reached or used right now (endpoint down, credentials refused, bucket missing): the
+        # request was fine and may succeed later, so 503, as for an overloaded server, not 500.
+        return ApiError(503, message, code="store_unavailable")
     if isinstance(exc, ReproducibilityError):
         return ApiError(500, message, code="not_reproducible")
     return ApiError(500, message, code="kvgraft_error")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,10 @@ class ServerState:
         self.created = int(time.time())
         self.system_fingerprint = "kvgraft-" + engine.fingerprint.digest[:16]
         location = engine.store.location
-        self._redact = sorted({location, str(Path(location).resolve())}, key=len, reverse=True)
+        # An S3 store's endpoint too: an unreachable store's message names it, and it is no client's business.
+        endpoints = {os.environ.get(name) for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")} - {None, ""}
+        hidden = {location, str(Path(location).resolve()), *(e for e in endpoints if e)}
+        self._redact = sorted(hidden, key=len, reverse=True)
 
     def redact(self, message: str) -> str:
         """A message with the store's directory replaced by `<store>`: a client has no business knowing it.

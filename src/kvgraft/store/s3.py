@@ -16,6 +16,11 @@ stores"):
 - gc takes no lock: it removes unreferenced blocks whose last_modified is older than the grace period. A put that
   reuses a stored block older than half the default grace period uploads it again, which renews its last_modified,
   so a put that commits within half that period never names a block gc may remove.
+- Faults: connect and read timeouts and three retries with backoff bound how long a dead, silent or flaky endpoint
+  takes to fail (well under a second when refused, about RETRY_TIMEOUT when silent). Every failure is one
+  StoreError line: unreachable, connection dropped mid-request, credentials refused, bucket missing. Every object is
+  one PUT (no multipart upload, which could leave hidden parts behind), and a put whose upload fails waits for its
+  other uploads before raising, so nothing it started writes afterwards.
 """
 
 from __future__ import annotations
@@ -25,11 +30,11 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Hashable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import obstore
 import torch
@@ -45,7 +50,7 @@ from obstore.store import S3Store as _ObjectStore
 
 from kvgraft.core.errors import FormatError, KvgraftError, NotFoundError, StoreError
 from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
-from kvgraft.format.blocks import BLOCK_SUFFIX, assemble
+from kvgraft.format.blocks import BLOCK_SUFFIX
 from kvgraft.format.manifest import (
     MANIFEST_NAME,
     BlockRef,
@@ -65,7 +70,7 @@ from kvgraft.store.base import GC_GRACE_S, StoredGraft, check_sidecar_name, reso
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta
-    from obstore.store import S3Config
+    from obstore.store import BackoffConfig, ClientConfig, RetryConfig, S3Config
 
 S3_SCHEME = "s3://"
 ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -74,17 +79,30 @@ ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 # Bounded so that a dead endpoint fails in seconds: a few quick retries with backoff, then a clear error. The
 # request timeout is generous because one block of a large model is tens of MB.
 CONNECT_TIMEOUT = timedelta(seconds=3)
+READ_TIMEOUT = timedelta(seconds=5)
+"""Longest silence while reading an answer (GET, HEAD, LIST) before the attempt is retried: an endpoint that accepts
+connections but never answers then fails within about RETRY_TIMEOUT, not REQUEST_TIMEOUT. Writes go without it:
+reqwest's read timeout also runs while a request body is still being sent, so a large block on a slow link would
+trip it (measured: a 3 MB PUT at 0.3 MB/s failed at a 2 s read timeout)."""
 REQUEST_TIMEOUT = timedelta(seconds=120)
 MAX_RETRIES = 3
 RETRY_TIMEOUT = timedelta(seconds=10)
+BACKOFF: BackoffConfig = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2), "base": 2}
 GENERATION_NAME = "generation"
 """An object every committed put and every delete rewrites: its ETag is the store's change token."""
 FETCH_WORKERS = 16
 """Blocks fetched at once by `get`: enough to fill a fast link, few enough not to trip a service's rate limit."""
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 _GRAFT_MANIFEST = re.compile(rf"grafts/([0-9a-f]{{64}})/{re.escape(MANIFEST_NAME)}")
 _CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken")
-_UNREACHABLE = ("error sending request", "timed out", "connection refused", "dns error", "connect error")
+# obstore's errors carry object_store's debug form: the HTTP failure's kind, the retries and the time they took.
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_GAVE_UP = re.compile(r" in ([\d.]+)(ns|µs|us|ms|s), after (\d+) retries")
+_STATUS = re.compile(r"status code: (\d{3})")
+_SECONDS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -124,35 +142,34 @@ class S3Store:
         self.bucket, self.prefix = parse_s3_url(url)
         self.endpoint = endpoint or endpoint_from_env()
         self._location = f"{S3_SCHEME}{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        config: S3Config = {}
-        if self.endpoint:
-            config["endpoint"] = self.endpoint
         try:
-            self._store = _ObjectStore(
-                self.bucket,
-                prefix=self.prefix or None,
-                config=config,
-                client_options={
-                    # A loopback or private endpoint (moto, MinIO) is often plain http.
-                    "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
-                    "connect_timeout": CONNECT_TIMEOUT,
-                    "timeout": REQUEST_TIMEOUT,
-                },
-                retry_config={
-                    "max_retries": MAX_RETRIES,
-                    "retry_timeout": RETRY_TIMEOUT,
-                    "backoff": {
-                        "init_backoff": timedelta(milliseconds=100),
-                        "max_backoff": timedelta(seconds=2),
-                        "base": 2,
-                    },
-                },
-            )
+            self._store = self._client(read_timeout=True)  # reads: a stalled answer fails in seconds
+            self._writer = self._client(read_timeout=False)  # writes: bounded by REQUEST_TIMEOUT (see READ_TIMEOUT)
         except BaseError as exc:
             raise StoreError(f"cannot open store {self._location}: {_first_line(exc)}") from None
         self._fetch_workers = max(1, fetch_workers)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    def _client(self, read_timeout: bool) -> _ObjectStore:
+        """An obstore client of the bucket and prefix: bounded connect and request timeouts, a few retries with
+        exponential backoff and jitter (connection errors, dropped connections, 5xx), and, when `read_timeout`, a
+        bound on silence while an answer is read."""
+        config: S3Config = {}
+        if self.endpoint:
+            config["endpoint"] = self.endpoint
+        options: ClientConfig = {
+            # A loopback or private endpoint (moto, MinIO) is often plain http.
+            "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
+            "connect_timeout": CONNECT_TIMEOUT,
+            "timeout": REQUEST_TIMEOUT,
+        }
+        if read_timeout:
+            options["read_timeout"] = READ_TIMEOUT
+        retry: RetryConfig = {"max_retries": MAX_RETRIES, "retry_timeout": RETRY_TIMEOUT, "backoff": BACKOFF}
+        return _ObjectStore(
+            self.bucket, prefix=self.prefix or None, config=config, client_options=options, retry_config=retry
+        )
 
     @property
     def location(self) -> str:
@@ -178,21 +195,34 @@ class S3Store:
             self._raise_store_error(exc, doing)
 
     def _raise_store_error(self, exc: Exception, doing: str) -> NoReturn:
+        raise StoreError(self._error_message(exc, doing)) from None
+
+    def _error_message(self, exc: Exception, doing: str) -> str:
+        """One line for an obstore error: a missing bucket, refused credentials, an endpoint that cannot be reached
+        or does not answer, a connection dropped mid-request, a server error; else obstore's own first line."""
         text = str(exc)
-        lowered = text.lower()
         if "NoSuchBucket" in text:
-            raise StoreError(f"bucket {self.bucket} does not exist (store {self._location})") from None
+            return f"bucket {self.bucket} does not exist (store {self._location})"
         code = next((c for c in _CREDENTIAL_CODES if c in text), None)
-        if code or isinstance(exc, PermissionDeniedError | UnauthenticatedError):
-            raise StoreError(
-                f"access to store {self._location} denied ({code or type(exc).__name__}): check the AWS credentials"
-            ) from None
-        if any(marker in lowered for marker in _UNREACHABLE):
-            where = self.endpoint or "the AWS S3 endpoint"
-            raise StoreError(
-                f"cannot reach {where} for store {self._location} (gave up after {MAX_RETRIES} retries)"
-            ) from None
-        raise StoreError(f"cannot {doing} in store {self._location}: {_first_line(exc)}") from None
+        if code is None and isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+            code = "HTTP 403" if isinstance(exc, PermissionDeniedError) else "HTTP 401"  # a HEAD answers no body
+        if code is not None:
+            return f"access to store {self._location} denied ({code}): check the AWS credentials and their permissions"
+        where = self.endpoint or "the AWS S3 endpoint"
+        gave_up = _gave_up(text)
+        after = f"; {gave_up}" if gave_up else ""
+        kind = _HTTP_KIND.search(text)
+        if kind is not None and kind.group(1) == "Connect":
+            return f"cannot reach {where} for store {self._location} (connection failed{after})"
+        if kind is not None and kind.group(1) == "Timeout":
+            return f"cannot reach {where} for store {self._location} (no answer in time{after})"
+        if kind is not None:  # Request, Interrupted, Decode: the connection broke mid-request
+            dropped = f"connection to {where} dropped while trying to {doing} in store {self._location}"
+            return f"{dropped} ({gave_up})" if gave_up else dropped
+        status = _STATUS.search(text)
+        if status is not None and status.group(1).startswith("5"):
+            return f"{where} failed to {doing} in store {self._location} (HTTP {status.group(1)}{after})"
+        return f"cannot {doing} in store {self._location}: {_first_line(exc)}"
 
     def _fetch(self, path: str) -> tuple[bytearray, datetime] | None:
         """An object's bytes (writable, so tensors can view them) and last_modified; None when there is none."""
@@ -216,14 +246,15 @@ class S3Store:
                 return None
 
     def _write(self, path: str, data: bytes) -> None:
+        # One PUT, never a multipart upload: it is atomic, and a failed one leaves no hidden parts in the bucket.
         with self._errors(f"write {path}"):
-            obstore.put(self._store, path, data)
+            obstore.put(self._writer, path, data, use_multipart=False)
 
     def _create(self, path: str, data: bytes) -> bool:
         """Write an object only if none is there (`If-None-Match: *`); False when one was."""
         with self._errors(f"write {path}"):
             try:
-                obstore.put(self._store, path, data, mode="create")
+                obstore.put(self._writer, path, data, mode="create", use_multipart=False)
             except (AlreadyExistsError, PreconditionError):
                 return False
             except NotSupportedError:
@@ -231,7 +262,7 @@ class S3Store:
                 # the same graft writes the same bytes; only the created flag may then be wrong.
                 if self._head(path) is not None:
                     return False
-                obstore.put(self._store, path, data)
+                obstore.put(self._writer, path, data, use_multipart=False)
             return True
 
     def _remove(self, path: str) -> None:
@@ -242,12 +273,29 @@ class S3Store:
         with self._errors(f"list {prefix}"):
             return [meta for batch in obstore.list(self._store, prefix, chunk_size=1000) for meta in batch]
 
+    def _list_one(self, prefix: str) -> None:
+        """One listing request of at most one object (raises StoreError when the bucket is missing)."""
+        with self._errors(f"list {prefix}"):
+            next(iter(obstore.list(self._store, prefix, chunk_size=1)), None)
+
     def _workers(self) -> ThreadPoolExecutor:
         # obstore releases the GIL while it waits on the network and hashlib while it hashes, so threads overlap.
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._fetch_workers, thread_name_prefix="kvgraft-s3")
             return self._pool
+
+    def _all(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """`fn` over `items` on the pool (see `_settle`).
+
+        Args:
+            fn: What to run on each item (a fetch, an upload).
+            items: The items.
+
+        Returns:
+            fn's results, in the order of `items`.
+        """
+        return _settle([self._workers().submit(fn, item) for item in items])
 
     # --- the GraftStore interface ---
 
@@ -290,10 +338,17 @@ class S3Store:
         if self._head(manifest_path) is not None:
             return graft_id, False
         given = blocks or {}
-        # Blocks are independent objects: upload them concurrently, then commit only once all are in place.
-        list(self._workers().map(lambda ref: self._put_block(ref, given.get(ref.key)), manifest.blocks))
+        # Blocks are independent objects: upload them concurrently, then commit only once all are in place. A failed
+        # upload leaves at most unreferenced blocks, which gc removes.
+        self._all(lambda ref: self._put_block(ref, given.get(ref.key)), manifest.blocks)
         self._write(self._graft_path(graft_id, manifest.tensors_file), tensors_file_bytes(tensors))
-        created = self._create(manifest_path, manifest_bytes(manifest))
+        data = manifest_bytes(manifest)
+        created = self._create(manifest_path, data)
+        if not created:
+            # A commit retried after its answer was lost finds its own manifest there: the same bytes (created_at
+            # included) mean this put committed it, so the change token must move all the same.
+            existing = self._fetch(manifest_path)
+            created = existing is not None and bytes(existing[0]) == data
         if created:
             self._bump()
         return graft_id, created
@@ -358,12 +413,18 @@ class S3Store:
             self._write(path, data)
 
     def resolve(self, id_or_prefix: str) -> GraftId:
-        return resolve_id(
-            id_or_prefix,
-            self.location,
-            lambda full: self._head(self._graft_path(full, MANIFEST_NAME)) is not None,
-            self.ids,
-        )
+        try:
+            return resolve_id(
+                id_or_prefix,
+                self.location,
+                lambda full: self._head(self._graft_path(full, MANIFEST_NAME)) is not None,
+                self.ids,
+            )
+        except NotFoundError:
+            # A HEAD answers a missing bucket with a bare 404, as it does a missing graft: one listing tells them
+            # apart, so a store on a bucket that is not there says so (StoreError), not "no graft".
+            self._list_one(GENERATION_NAME)
+            raise
 
     def manifest(self, graft_id: str) -> Manifest:
         full = self.resolve(graft_id)
@@ -377,22 +438,29 @@ class S3Store:
         return manifest
 
     def get(self, graft_id: str) -> StoredGraft:
-        """Read a graft: its blocks fetched concurrently (a bounded pool), each checked, then assembled."""
+        """Read a graft: its blocks fetched concurrently (a bounded pool), each checked and then copied into its
+        place in the per-layer tensors as it arrives, so assembly overlaps the network and a block's fetched bytes
+        are freed at once. When anything fails, nothing is returned and no fetch is left running."""
         manifest = self.manifest(graft_id)
         shapes = expected_block_shapes(manifest)
+        assembled = _empty_assembly(shapes, len(manifest.blocks), manifest.dtype)
+
+        def fetch_into(index: int) -> None:
+            ref = manifest.blocks[index]
+            _, part = self.read_block(ref.key, ref, shapes, manifest.dtype)
+            for name, tensor in part.items():
+                size = tensor.shape[-2]
+                assembled[name][..., index * size : (index + 1) * size, :].copy_(tensor)
+
         pool = self._workers()
-        pending = [pool.submit(self.read_block, ref.key, ref, shapes, manifest.dtype) for ref in manifest.blocks]
-        path = self._graft_path(manifest.id, manifest.tensors_file)
-        try:
-            fetched = self._fetch(path)
-            if fetched is None:
-                raise FormatError(f"{self.url(path)}: tensors file is missing")
-            tensors = read_tensors_checked_bytes(fetched[0], self.url(path), manifest)
-            blocks = [future.result()[1] for future in pending]
-        finally:
-            for future in pending:  # a failure stops what has not started; nothing partial is returned
-                future.cancel()
-        return StoredGraft(manifest, assemble(blocks) | tensors)
+        pending = [pool.submit(fetch_into, index) for index in range(len(manifest.blocks))]
+        try:  # the graft's own small tensors file, in this thread while the blocks arrive
+            tensors = self.own_tensors(manifest)
+        except BaseException:
+            _stop(pending)
+            raise
+        _settle(pending)
+        return StoredGraft(manifest, assembled | tensors)
 
     def delete(self, graft_id: str) -> None:
         """Remove a graft (its manifest first, so no reader sees half a graft), then its blocks no other names."""
@@ -413,7 +481,7 @@ class S3Store:
 
     def referenced_blocks(self) -> set[str]:
         """Keys of every block some graft's manifest names (reads every manifest; an unreadable one raises)."""
-        manifests = self._workers().map(self.manifest, self.ids())
+        manifests = self._all(self.manifest, self.ids())
         return {ref.key for manifest in manifests for ref in manifest.blocks}
 
     def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
@@ -443,7 +511,7 @@ class S3Store:
         """Bytes the graft takes on its own: its objects plus every block it names (shared or not)."""
         full = self.resolve(graft_id)
         own = sum(meta["size"] for meta in self._list(f"grafts/{full}"))
-        sizes = self._workers().map(lambda ref: self._head(self.block_path(ref.key)), self.manifest(full).blocks)
+        sizes = self._all(lambda ref: self._head(self.block_path(ref.key)), self.manifest(full).blocks)
         return own + sum(meta["size"] for meta in sizes if meta is not None)
 
     def disk_bytes(self) -> int:
@@ -459,8 +527,63 @@ class S3Store:
         return read_tensors_checked_bytes(fetched[0], self.url(path), manifest)
 
 
+def _settle(pending: list[Future[R]]) -> list[R]:
+    """The results of tasks on a pool, in order. When one fails, those not started are cancelled and the running
+    ones waited for before the first failure (in order) is raised: nothing a call started is still running, or
+    writing, after it returns or raises.
+
+    Args:
+        pending: The tasks' futures.
+
+    Returns:
+        Their results, in order.
+    """
+    wait(pending, return_when=FIRST_EXCEPTION)
+    failed = next((f.exception() for f in pending if f.done() and not f.cancelled() and f.exception()), None)
+    if failed is not None:
+        _stop(pending)
+        raise failed
+    return [future.result() for future in pending]
+
+
+def _stop(pending: list[Future[R]]) -> None:
+    """Cancel the tasks not started and wait for the running ones."""
+    for future in pending:
+        future.cancel()
+    wait(pending)
+
+
+def _empty_assembly(shapes: dict[str, list[int]], count: int, dtype: str) -> dict[str, torch.Tensor]:
+    """Per-layer tensors for `count` blocks, to be filled block by block (what `assemble` returns, preallocated).
+
+    Args:
+        shapes: Each tensor of a block with its shape, [1, kv_heads, C, head_dim].
+        count: The number of blocks.
+        dtype: The torch dtype name of the graft's tensors.
+
+    Returns:
+        Uninitialised tensors [1, kv_heads, count * C, head_dim] by name; none when there is no block.
+    """
+    if count == 0:
+        return {}
+    kind = getattr(torch, dtype)
+    return {
+        name: torch.empty([*shape[:-2], shape[-2] * count, shape[-1]], dtype=kind) for name, shape in shapes.items()
+    }
+
+
 def _age_s(modified: datetime) -> float:
     return (datetime.now(UTC) - modified).total_seconds()
+
+
+def _gave_up(text: str) -> str:
+    """The retries an obstore error reports, as "gave up after 3 retries in 8.5 s"; "" when there were none."""
+    match = _GAVE_UP.search(text)
+    if match is None:
+        return ""
+    seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    retries = int(match.group(3))
+    return f"gave up after {retries} {'retry' if retries == 1 else 'retries'} in {seconds:.1f} s"
 
 
 def _first_line(exc: BaseException) -> str:
