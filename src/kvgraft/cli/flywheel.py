@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from kvgraft.cli.engines import load_engine
-from kvgraft.cli.options import JsonOpt, ModelOpt, StoreOpt
+from kvgraft.cli.options import CpusPerWorkerOpt, JsonOpt, ModelOpt, RayAddressOpt, SharedCacheOpt, StoreOpt, WorkersOpt
 from kvgraft.cli.output import emit, out, progress
 from kvgraft.engine.engine import Engine
 
@@ -45,25 +45,14 @@ def harvest(
     ] = True,
     model: ModelOpt = None,
     store: StoreOpt = None,
-    shared_cache: Annotated[
-        str | None,
-        typer.Option("--shared-cache", help="Cache blocks in Redis, shared between processes: redis://HOST:PORT/DB."),
-    ] = None,
+    shared_cache: SharedCacheOpt = None,
     ray: Annotated[
         bool,
         typer.Option("--ray", help="Spread the problems over Ray actors, one model each (same grafts as without)."),
     ] = False,
-    ray_address: Annotated[
-        str | None,
-        typer.Option(
-            "--ray-address",
-            help="With --ray: the cluster, HOST:PORT or ray://HOST:PORT (default: $RAY_ADDRESS, else a local Ray).",
-        ),
-    ] = None,
-    workers: Annotated[int | None, typer.Option("--workers", min=1, help="With --ray: actors (default 2).")] = None,
-    cpus_per_worker: Annotated[
-        float | None, typer.Option("--cpus-per-worker", min=0.01, help="With --ray: CPUs per actor (default 1).")
-    ] = None,
+    ray_address: RayAddressOpt = None,
+    workers: WorkersOpt = None,
+    cpus_per_worker: CpusPerWorkerOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Solve, verify, store: replay grafts of verified solutions (and context blocks), with their upstream cost."""

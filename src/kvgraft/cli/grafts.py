@@ -12,7 +12,18 @@ from rich.table import Table
 
 from kvgraft.cli.engines import load_engine
 from kvgraft.cli.inputs import jsonl_items, read_text_file
-from kvgraft.cli.options import ChunkOpt, DtypeOpt, EnvOpt, JsonOpt, ModelOpt, SharedCacheOpt, StoreOpt
+from kvgraft.cli.options import (
+    ChunkOpt,
+    CpusPerWorkerOpt,
+    DtypeOpt,
+    EnvOpt,
+    JsonOpt,
+    ModelOpt,
+    RayAddressOpt,
+    SharedCacheOpt,
+    StoreOpt,
+    WorkersOpt,
+)
 from kvgraft.cli.output import emit, err, out, progress
 from kvgraft.core.errors import BadInputError
 from kvgraft.core.sampling import SamplingParams
@@ -51,17 +62,9 @@ def build(
     ray: Annotated[
         bool, typer.Option("--ray", help="Build the texts on Ray actors, one model each (same grafts as without).")
     ] = False,
-    ray_address: Annotated[
-        str | None,
-        typer.Option(
-            "--ray-address",
-            help="With --ray: the cluster, HOST:PORT or ray://HOST:PORT (default: $RAY_ADDRESS, else a local Ray).",
-        ),
-    ] = None,
-    workers: Annotated[int | None, typer.Option("--workers", min=1, help="With --ray: actors (default 2).")] = None,
-    cpus_per_worker: Annotated[
-        float | None, typer.Option("--cpus-per-worker", min=0.01, help="With --ray: CPUs per actor (default 1).")
-    ] = None,
+    ray_address: RayAddressOpt = None,
+    workers: WorkersOpt = None,
+    cpus_per_worker: CpusPerWorkerOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Build grafts from text and put them in the store (leading blocks already stored are reused, not computed)."""

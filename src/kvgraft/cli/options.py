@@ -42,3 +42,14 @@ EnvOpt = Annotated[
         "--allow-env-mismatch", help="Use grafts made under another numeric environment; results say 'not exact'."
     ),
 ]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        help="With --ray: the cluster, HOST:PORT or ray://HOST:PORT (default: $RAY_ADDRESS, else a local Ray).",
+    ),
+]
+WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="With --ray: actors (default 2).")]
+CpusPerWorkerOpt = Annotated[
+    float | None, typer.Option("--cpus-per-worker", min=0.01, help="With --ray: CPUs per actor (default 1).")
+]
