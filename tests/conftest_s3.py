@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -51,16 +52,9 @@ def _wait_until_answering(url: str, server: subprocess.Popen[bytes], timeout_s: 
     raise RuntimeError(f"moto server at {url} did not answer within {timeout_s:.0f} s")
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """The endpoint URL of a live S3-compatible server."""
-    given = os.environ.get(ENDPOINT_ENV)
-    if given:
-        yield given
-        return
-    missing = _missing()
-    if missing:
-        pytest.skip(f"S3 tests need {', '.join(missing)}: pip install 'moto[server]' obstore (or set {ENDPOINT_ENV})")
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """A moto server on a free loopback port for the `with` block: yields its URL, always stopped at the end."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
@@ -78,6 +72,20 @@ def s3_endpoint() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """The endpoint URL of a live S3-compatible server."""
+    given = os.environ.get(ENDPOINT_ENV)
+    if given:
+        yield given
+        return
+    missing = _missing()
+    if missing:
+        pytest.skip(f"S3 tests need {', '.join(missing)}: pip install 'moto[server]' obstore (or set {ENDPOINT_ENV})")
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture

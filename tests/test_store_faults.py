@@ -16,8 +16,6 @@ import math
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest_redis import RedisServer, _start, _stop, _wait_for_ping
-from conftest_s3 import _free_port, _missing, _wait_until_answering
+from conftest_s3 import _free_port, _missing, moto_server
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
@@ -243,15 +241,7 @@ def auth_server() -> Iterator[AuthServer]:
         pytest.skip(f"S3 tests need {', '.join(_missing())}: pip install 'moto[server]' obstore")
     import boto3
 
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        _wait_until_answering(endpoint, server)
+    with moto_server() as endpoint:
         # Set up without auth (moto's default), then turn it on: /moto-api/reset-auth with 0 makes every later
         # request check its signature against the IAM users' keys, and the action against their policies.
         session = {"endpoint_url": endpoint, "region_name": "us-east-1"}
@@ -273,13 +263,6 @@ def auth_server() -> Iterator[AuthServer]:
         with urllib.request.urlopen(request, timeout=10):
             pass
         yield AuthServer(endpoint, bucket, made["writer"], made["nobody"])
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def test_wrong_credentials_are_one_clear_error(auth_server: AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
