@@ -238,8 +238,8 @@ def test_a_store_that_is_missing_or_a_file_is_an_error_not_an_empty_store(
     assert not store.exists()
     afile = tmp_path / "afile"
     afile.write_text("not a store")
-    fails(cli(*command, "--store", afile), f"store {afile} is not a directory")
-    fails(cli("build", "--text", "hi", "--store", afile), f"store {afile} is not a directory")
+    fails(cli(*command, "--store", afile), f"store path {afile} is not a directory")
+    fails(cli("build", "--text", "hi", "--store", afile), f"store path {afile} is not a directory")
     assert afile.read_text() == "not a store"
 
 
@@ -847,3 +847,22 @@ def test_harvest_solutions_then_bench_json(tmp_path: Path) -> None:
 )
 def test_a_usage_error_is_one_error_line_and_exit_1(args: list[str], fragments: list[str]) -> None:
     fails(cli(*args), *fragments)
+
+
+def test_gc_says_what_it_kept_and_how_to_remove_it(store: Path) -> None:
+    build(store, TEXT_48)
+    block = next((store / "blocks").rglob("*.safetensors"))
+    orphan = store / "blocks" / "ff" / ("f" * 64 + ".safetensors")  # a block no graft names, as a killed build leaves
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(block.read_bytes())
+    line = ok(cli("store", "gc", "--store", store)).stdout
+    assert " ".join(line.split()) == (
+        "removed 0 unreferenced blocks, 0 bytes; kept 1 blocks younger than the grace period (3600 s: a build may be"
+        " about to name them); --grace 0 to remove them"
+    )
+    assert ok_json(cli("store", "gc", "--store", store, "--grace", "0", "--json")) == {
+        "removed_blocks": 1,
+        "freed_bytes": len(block.read_bytes()),
+        "kept_young_blocks": 0,
+    }
+    assert not orphan.exists() and block.exists()

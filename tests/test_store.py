@@ -11,6 +11,7 @@ from kvgraft.format.blocks import block_digest
 from kvgraft.format.tensor_files import block_file_bytes
 from kvgraft.library.index import store_stats
 from kvgraft.store import LocalStore, default_store_path, open_store
+from kvgraft.store.base import GcReport
 
 from conftest import TEST_CHUNK, TEXT, EngineFactory
 
@@ -136,9 +137,10 @@ def test_a_crash_before_the_rename_leaves_no_graft(
     # The blocks written before the crash are litter no graft names: gc removes them (none are young enough to
     # be kept with a zero grace period), and a later put writes them again.
     assert len(store.block_files()) == len(built.manifest.blocks)
-    assert store.gc(grace_s=3600) == (0, 0)
-    removed, freed = store.gc(grace_s=0)
-    assert removed == len(built.manifest.blocks) and freed > 0 and store.block_files() == []
+    assert store.gc(grace_s=3600) == GcReport(0, 0, kept_young=len(built.manifest.blocks))
+    report = store.gc(grace_s=0)
+    assert (report.removed, report.kept_young) == (len(built.manifest.blocks), 0)
+    assert report.freed_bytes > 0 and store.block_files() == []
     assert store.put(built.manifest, built.tensors, built.blocks) == (built.manifest.id, True)
 
 
@@ -215,6 +217,6 @@ def test_gc_clears_staging_litter(store: LocalStore, make_engine: EngineFactory)
     litter = store.root / "tmp" / "abandoned-put"
     litter.mkdir()
     (litter / "tensors.safetensors").write_bytes(b"partial")
-    assert store.gc(grace_s=3600) == (0, 0) and litter.exists()
+    assert store.gc(grace_s=3600).removed == 0 and litter.exists()
     store.gc(grace_s=0)
     assert not litter.exists() and len(store.ids()) == 1

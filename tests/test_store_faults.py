@@ -37,6 +37,7 @@ from kvgraft.format.blocks import assemble
 from kvgraft.server import ServerConfig, create_app
 from kvgraft.server.background import serve_in_thread
 from kvgraft.store import GraftStore
+from kvgraft.store.base import GcReport
 
 from conftest import TEST_CHUNK, TEXT, cached_model
 
@@ -319,7 +320,7 @@ def test_a_connection_dropped_once_mid_upload_is_retried(s3_url: str, proxy: Cut
     assert created and proxy.cuts == 1
     proxy.disarm()
     _same_graft(store, graft_id, built)
-    assert store.gc(0.0) == (0, 0)  # nothing left over from the cut attempt
+    assert store.gc(0.0) == GcReport(0, 0, 0)  # nothing left over from the cut attempt
 
 
 def test_a_connection_dropped_for_good_mid_upload_leaves_no_graft_and_gc_cleans_up(
@@ -348,7 +349,7 @@ def test_a_connection_dropped_for_good_mid_upload_leaves_no_graft_and_gc_cleans_
     orphans = {item["Key"]: item["Size"] for item in listed}
     assert 0 < len(orphans) < len(built.manifest.blocks)  # the whole blocks before the cut, no partial object
     assert set(orphans.values()) == {max(orphans.values())}
-    assert store.gc(grace_s=0.0) == (len(orphans), sum(orphans.values()))
+    assert store.gc(grace_s=0.0) == GcReport(len(orphans), sum(orphans.values()), 0)
     assert s3_client.list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0
     graft_id, created = store.put(built.manifest, built.tensors, built.blocks)
     assert created and store.ids() == [graft_id]

@@ -18,6 +18,7 @@ from kvgraft.engine.engine import Engine
 from kvgraft.format.manifest import expected_block_shapes
 from kvgraft.library.index import load_index
 from kvgraft.store import GraftStore, LocalStore
+from kvgraft.store.base import GcReport
 from kvgraft.store.cache import CachedStore
 
 from conftest import TEXT, cached_model
@@ -111,4 +112,4 @@ def test_a_store_behaves_the_same_through_the_interface(
     assert store.ids() == []
     with pytest.raises(NotFoundError):
         store.manifest(put.id)
-    assert store.gc(0.0) == (0, 0)  # delete removed the graft's blocks already
+    assert store.gc(0.0) == GcReport(0, 0, 0)  # delete removed the graft's blocks already

@@ -19,6 +19,7 @@ from kvgraft.core.errors import FormatError, IntegrityError, NotFoundError, Stor
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.store import GraftStore, LocalStore, open_store
+from kvgraft.store.base import GcReport
 
 from conftest import TEST_CHUNK, TEXT, cached_model
 
@@ -111,10 +112,11 @@ def test_a_killed_upload_leaves_no_graft_and_gc_removes_its_blocks(s3_url: str, 
     assert store.ids() == []
     with pytest.raises(NotFoundError):
         store.get(built.manifest.id)
-    assert store.gc() == (0, 0)  # younger than the grace period: a build may be about to name them
+    # Younger than the grace period: a build may be about to name them.
+    assert store.gc() == GcReport(0, 0, kept_young=len(built.manifest.blocks))
     time.sleep(1.1)  # last_modified has a one-second resolution
-    removed, freed = store.gc(1.0)
-    assert removed == len(built.manifest.blocks) and freed > 0
+    report = store.gc(1.0)
+    assert (report.removed, report.kept_young) == (len(built.manifest.blocks), 0) and report.freed_bytes > 0
     listed = s3_client.list_objects_v2(Bucket=store.bucket)
     assert listed.get("KeyCount", 0) == 0  # the orphaned tensors file went too
     # The same graft uploads cleanly afterwards, and delete leaves nothing behind.
@@ -133,7 +135,7 @@ def test_blocks_shared_between_grafts_outlive_one_delete(s3_url: str) -> None:
     store.delete(second.id)
     assert all(store.has_block(key) for key in shared)
     assert store.get(first.id).manifest.id == first.id
-    assert store.gc(0.0) == (0, 0)
+    assert store.gc(0.0) == GcReport(0, 0, 0)
 
 
 def test_the_cli_builds_lists_and_generates_on_an_s3_store(s3_url: str) -> None:

@@ -30,11 +30,24 @@ def stats(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
 def gc(
     store: StoreOpt = None,
     grace: Annotated[
-        float, typer.Option("--grace", help="Keep unreferenced blocks younger than this many seconds.")
+        float,
+        typer.Option(
+            "--grace",
+            help="Keep unreferenced blocks younger than this many seconds (a build may be about to name them).",
+        ),
     ] = 3600.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove KV blocks that no graft names any more (left by an interrupted build)."""
-    removed, freed = open_store(store, must_exist=True).gc(grace)
-    data = {"removed_blocks": removed, "freed_bytes": freed}
-    emit(as_json, data, lambda: out.print(f"removed {removed:,} unreferenced blocks, {freed:,} bytes"))
+    report = open_store(store, must_exist=True).gc(grace)
+
+    def render() -> None:
+        line = f"removed {report.removed:,} unreferenced blocks, {report.freed_bytes:,} bytes"
+        if report.kept_young:
+            line += (
+                f"; kept {report.kept_young:,} blocks younger than the grace period ({grace:g} s: a build may be"
+                " about to name them); --grace 0 to remove them"
+            )
+        out.print(line)
+
+    emit(as_json, report.to_json(), render)

@@ -33,6 +33,20 @@ class StoredGraft:
     plus `next_token_logits` [1, vocab] when every token has KV."""
 
 
+@dataclass(frozen=True)
+class GcReport:
+    """What `gc` did."""
+
+    removed: int
+    """unreferenced blocks removed"""
+    freed_bytes: int
+    kept_young: int
+    """unreferenced blocks kept because they are younger than the grace period (a build may be about to name them)"""
+
+    def to_json(self) -> dict[str, int]:
+        return {"removed_blocks": self.removed, "freed_bytes": self.freed_bytes, "kept_young_blocks": self.kept_young}
+
+
 class GraftStore(Protocol):
     """Content-addressed grafts and their shared KV blocks.
 
@@ -139,8 +153,8 @@ class GraftStore(Protocol):
         """Bytes the store takes, each shared block counted once."""
         ...
 
-    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
-        """Remove blocks no graft names that are older than `grace_s`; returns (blocks removed, bytes freed)."""
+    def gc(self, grace_s: float = GC_GRACE_S) -> GcReport:
+        """Remove blocks no graft names that are older than `grace_s`, and count those it kept as younger."""
         ...
 
     def read_sidecar(self, name: str) -> bytes | None:
@@ -325,7 +339,7 @@ class StoreTier:
     def disk_bytes(self) -> int:
         return self.inner.disk_bytes()
 
-    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
+    def gc(self, grace_s: float = GC_GRACE_S) -> GcReport:
         return self.inner.gc(grace_s)
 
     def read_sidecar(self, name: str) -> bytes | None:

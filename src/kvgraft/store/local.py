@@ -40,6 +40,7 @@ from kvgraft.format.tensor_files import (
 )
 from kvgraft.store.base import (
     GC_GRACE_S,
+    GcReport,
     GraftStore,
     StoredGraft,
     check_sidecar_name,
@@ -81,7 +82,7 @@ def open_store(path: str | Path | None = None, must_exist: bool = False) -> Graf
         return S3Store(target)
     root = Path(target)
     if root.exists() and not root.is_dir():
-        raise StoreError(f"store {root} is not a directory")
+        raise StoreError(f"store path {root} is not a directory")
     if must_exist and not root.exists():
         raise NotFoundError(f"no store at {root}: nothing has been stored there (check --store or ${STORE_ENV})")
     return LocalStore(root)
@@ -309,37 +310,38 @@ class LocalStore:
     def block_files(self) -> list[Path]:
         return sorted(self._blocks.glob(f"*/*{BLOCK_SUFFIX}")) if self._blocks.is_dir() else []
 
-    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
-        """Remove blocks no graft names and older than `grace_s`; returns (blocks removed, bytes freed)."""
+    def gc(self, grace_s: float = GC_GRACE_S) -> GcReport:
+        """Remove blocks no graft names and older than `grace_s`, and staging litter as old."""
         if not self.root.is_dir():
-            return 0, 0
+            return GcReport(0, 0, 0)
         self._ensure_writable()
         with self._locked():
             referenced = self.referenced_blocks()
             unreferenced = {p.name.removesuffix(BLOCK_SUFFIX) for p in self.block_files()} - referenced
-            removed, freed = self._remove_blocks(unreferenced, grace_s)
+            report = self._remove_blocks(unreferenced, grace_s)
         # Staging litter of interrupted puts and deletes (a live put's staging is younger than the grace period).
         now = time.time()
         for entry in (self.root / "tmp").iterdir():
             with contextlib.suppress(OSError):
                 if now - entry.lstat().st_mtime >= grace_s:
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        return removed, freed
+        return report
 
-    def _remove_blocks(self, keys: Iterable[str], grace_s: float) -> tuple[int, int]:
-        removed = freed = 0
+    def _remove_blocks(self, keys: Iterable[str], grace_s: float) -> GcReport:
+        removed = freed = kept = 0
         now = time.time()
         for key in keys:
             path = self.block_path(key)
             try:
                 stat = path.stat()
                 if now - stat.st_mtime < grace_s:
+                    kept += 1
                     continue
                 path.unlink()
             except FileNotFoundError:
                 continue
             removed, freed = removed + 1, freed + stat.st_size
-        return removed, freed
+        return GcReport(removed, freed, kept)
 
     def tensors_path(self, graft_id: str) -> str:
         manifest = self.manifest(graft_id)

@@ -66,7 +66,7 @@ from kvgraft.format.tensor_files import (
     read_tensors_checked_bytes,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, StoredGraft, check_sidecar_name, resolve_id, stored_block_digest
+from kvgraft.store.base import GC_GRACE_S, GcReport, StoredGraft, check_sidecar_name, resolve_id, stored_block_digest
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta
@@ -484,15 +484,18 @@ class S3Store:
         manifests = self._all(self.manifest, self.ids())
         return {ref.key for manifest in manifests for ref in manifest.blocks}
 
-    def gc(self, grace_s: float = GC_GRACE_S) -> tuple[int, int]:
+    def gc(self, grace_s: float = GC_GRACE_S) -> GcReport:
         """Remove blocks no graft names whose last_modified is older than `grace_s`, and litter of killed puts
-        (graft objects without a manifest) as old; returns (blocks removed, bytes freed). Takes no lock: see the
-        module docstring for why a concurrent put is safe."""
+        (graft objects without a manifest) as old. Takes no lock: see the module docstring for why a concurrent put
+        is safe."""
         referenced = self.referenced_blocks()
-        removed = freed = 0
+        removed = freed = kept = 0
         for meta in self._list("blocks"):
             key = Path(meta["path"]).name.removesuffix(BLOCK_SUFFIX)
-            if key in referenced or _age_s(meta["last_modified"]) < grace_s:
+            if key in referenced:
+                continue
+            if _age_s(meta["last_modified"]) < grace_s:
+                kept += 1
                 continue
             self._remove(meta["path"])
             removed, freed = removed + 1, freed + meta["size"]
@@ -501,7 +504,7 @@ class S3Store:
             graft = meta["path"].split("/")[1]
             if graft not in committed and _age_s(meta["last_modified"]) >= grace_s:
                 self._remove(meta["path"])
-        return removed, freed
+        return GcReport(removed, freed, kept)
 
     def tensors_path(self, graft_id: str) -> str:
         manifest = self.manifest(graft_id)
