@@ -408,6 +408,17 @@ def test_a_chunked_body_over_the_limit_is_413(server: tuple[str, str]) -> None:
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "body_too_large"
 
 
+@pytest.mark.parametrize(
+    ("path", "allow"),
+    [("/v1/grafts", "GET, POST"), ("/v1/completions", "POST"), ("/v1/grafts/abc", "DELETE, GET")],
+)
+def test_a_405_names_every_method_the_path_takes(server: tuple[str, str], path: str, allow: str) -> None:
+    with httpx.Client(base_url=server[0], timeout=60) as http:
+        reply = http.put(path, headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 405 and reply.headers["allow"] == allow
+    assert reply.json() == error("method not allowed on this endpoint", None, "http_error")
+
+
 # --- auth variants ------------------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ into a traceback in a reply.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from kvgraft.core.errors import (
     BadInputError,
@@ -215,13 +216,15 @@ def install_handlers(app: FastAPI, redact: Callable[[str], str] = str) -> None:
         error.message = redact(error.message)
         return error.response()
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         message = {404: "no such endpoint", 405: "method not allowed on this endpoint"}.get(
             exc.status_code, str(exc.detail)
         )
-        headers = dict(exc.headers) if exc.headers else None
-        return ApiError(exc.status_code, message, code="http_error", headers=headers).response()
+        headers = dict(exc.headers) if exc.headers else {}
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(app, request)
+        return ApiError(exc.status_code, message, code="http_error", headers=headers or None).response()
 
     async def request_validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -234,3 +237,25 @@ def install_handlers(app: FastAPI, redact: Callable[[str], str] = str) -> None:
     app.add_exception_handler(KvgraftError, kvgraft_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, request_validation)
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> str:
+    """Every method some route of the app serves on the request's path (Starlette's own 405 names only the first
+    route whose path matched, e.g. GET alone for /v1/grafts, which also takes POST)."""
+    methods: set[str] = set()
+    for route in _leaf_routes(app.router.routes):
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
+def _leaf_routes(routes: list[BaseRoute]) -> Iterator[BaseRoute]:
+    """The app's routes, those of included routers flattened (newer FastAPI keeps an included router as one
+    route; kvgraft's routers have no prefix, so their routes match the request's path as they are)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _leaf_routes(inner.routes)
+        else:
+            yield route
