@@ -220,3 +220,23 @@ def test_gc_clears_staging_litter(store: LocalStore, make_engine: EngineFactory)
     assert store.gc(grace_s=3600).removed == 0 and litter.exists()
     store.gc(grace_s=0)
     assert not litter.exists() and len(store.ids()) == 1
+
+
+def test_sidecars_are_written_through_tmp_and_a_failed_write_leaves_nothing(
+    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.root.mkdir(parents=True)
+    store.write_sidecar("index.json", b"{}")
+    store.write_sidecar("receipts/" + "a" * 64 + ".json", b"{}")
+    assert sorted(p.name for p in store.root.iterdir()) == ["index.json", "receipts", "tmp"]
+    assert list((store.root / "tmp").iterdir()) == []
+
+    def disk_full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    store.write_sidecar("index.json", b'{"new": 1}')  # a derived file: kept as it was, never half-written
+    assert (store.root / "index.json").read_bytes() == b"{}"
+    assert list((store.root / "tmp").iterdir()) == []
+    with pytest.raises(StoreError, match="not a sidecar name"):
+        store.write_sidecar("../escape.json", b"{}")

@@ -253,7 +253,9 @@ class LocalStore:
         final = self.root / check_sidecar_name(name)
         try:
             final.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f"{final.name}-", dir=final.parent)
+            # Under tmp/, like every temporary file of the store: a killed writer leaves litter gc clears.
+            (self.root / "tmp").mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f"{final.name}-", dir=self.root / "tmp")
         except OSError:
             return  # a read-only store still works, from the manifests
         try:
