@@ -747,6 +747,24 @@ def test_generate_receipt_to_an_unwritable_path(store: Path, tmp_path: Path) -> 
     )
 
 
+def test_generate_receipt_on_a_full_disk_leaves_no_file(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "receipts"
+    out.mkdir()
+
+    def disk_full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    target = out / "receipt.json"
+    fails(
+        cli("generate", "--prompt", "hi", "--model", MODEL, "-n", 2, "--receipt", target, "--store", store),
+        f"cannot write receipt to {target}: No space left on device",
+    )
+    assert list(out.iterdir()) == []  # neither an empty receipt nor its temporary file
+
+
 def _receipt(store: Path, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     path = tmp_path / "receipt.json"
     ok(cli("generate", "--prompt", TEXT_6, "--model", MODEL, "-n", 3, "--receipt", path, "--store", store))

@@ -9,6 +9,8 @@ position each graft starts at]}`.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -132,8 +134,16 @@ class Receipt:
         return Sha256Hex(self.to_json()["id"])
 
     def write(self, path: Path) -> None:
-        """Write the JSON, indented, keys sorted, with a final newline."""
-        path.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+        """Write the JSON, indented, keys sorted, with a final newline: whole or not at all (a temporary file beside
+        it, renamed over it; on a full disk nothing is left, not an empty receipt)."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def receipt_id(body: dict[str, Any]) -> Sha256Hex:
