@@ -9,7 +9,7 @@ the single-process results, bit for bit, because:
 - every actor gets the driver's reproducibility settings (MKL's CNR mode, dynamic threading) in its environment;
 - before any work the driver compares each actor's fingerprint with its own and refuses a difference, so an
   actor on another CPU or library version cannot store grafts under other ids;
-- problem `index` is solved by `harvest(engine, [item], seed=seed + 7919 * index)`: the very call, seed and
+- problem `index` is solved by `harvest(engine, [item], seed=problem_seed(seed, index))`: the very call, seed and
   tries the single-process `harvest` makes for it;
 - results are put back in input order; block packing (`build_blocks`) runs on the driver over them.
 
@@ -36,7 +36,7 @@ from kvgraft.core.errors import BadInputError, KvgraftError
 from kvgraft.core.fingerprint import Fingerprint
 from kvgraft.engine.engine import Engine
 from kvgraft.flywheel.datasets import Item
-from kvgraft.flywheel.harvest import HarvestRecord, ItemCallback, harvest, import_solutions
+from kvgraft.flywheel.harvest import HarvestRecord, ItemCallback, harvest, import_solutions, problem_seed
 from kvgraft.store import open_store
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
@@ -415,8 +415,8 @@ class WorkerPool:
 
         Args:
             items: the problems, with gold answers.
-            attempts, budget, temperature, seed, check: as in `harvest` (problem i gets seed + 7919 * i there and
-                here).
+            attempts, budget, temperature, seed, check: as in `harvest` (problem i gets `problem_seed(seed, i)`
+                there and here).
             on_item: progress callback, called as each problem's record arrives.
 
         Returns:
@@ -424,7 +424,7 @@ class WorkerPool:
         """
 
         def call(actor: Any, index: int) -> Any:
-            return actor.solve.remote(items[index], attempts, budget, temperature, seed + 7919 * index, check)
+            return actor.solve.remote(items[index], attempts, budget, temperature, problem_seed(seed, index), check)
 
         return self.map(len(items), call, on_item)
 

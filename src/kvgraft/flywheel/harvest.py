@@ -135,6 +135,11 @@ def _store_replay(
     return put.id, time.perf_counter() - started
 
 
+def problem_seed(seed: int, index: int) -> int:
+    """The first sampling seed of problem `index` of a harvest started with `seed` (its tries count up from it)."""
+    return seed + 7919 * index
+
+
 def harvest(
     engine: Engine,
     items: list[Item],
@@ -167,7 +172,7 @@ def harvest(
     for index, item in enumerate(items):
         started = time.perf_counter()
         try:
-            records.append(_solve(engine, item, attempts, budget, temperature, seed + 7919 * index, check))
+            records.append(_solve(engine, item, attempts, budget, temperature, problem_seed(seed, index), check))
         except BadInputError as exc:
             wall = time.perf_counter() - started
             records.append(_unsolved(item, SolutionSource.MODEL, wall_s=wall, error=str(exc)))
