@@ -18,6 +18,14 @@ from kvgraft.store import LocalStore
 
 pytest_plugins = ["conftest_s3", "conftest_redis"]  # a real moto server, a real redis-server
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--campaign",
+        action="store_true",
+        help="run the fault-injection suite's long campaign (tests/faults/) instead of its CI-sized form",
+    )
+
 TEST_CHUNK = 16
 TEXT = (
     "Grafts keep the state of a model after it has read a text, so that the text need not be read again. "

@@ -18,9 +18,11 @@ from kvgraft.format.manifest import BlockRef, Manifest
 GC_GRACE_S = 3600.0
 """Unreferenced blocks younger than this are kept by gc: a build may be about to name them."""
 _HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
-_SIDECAR = re.compile(r"(?:receipts/)?[A-Za-z0-9][A-Za-z0-9._-]*")  # used with fullmatch
+_SIDECAR = re.compile(r"(?:(?:receipts|signatures)/)?[A-Za-z0-9][A-Za-z0-9._-]*")  # used with fullmatch
 RECEIPTS_DIR = "receipts"
 """Where a store keeps the receipts of served generations, as sidecars `receipts/<receipt id>.json`."""
+SIGNATURES_DIR = "signatures"
+"""Where a store keeps writers' signatures of grafts, as sidecars `signatures/<name>`."""
 
 
 @dataclass(frozen=True)
@@ -158,10 +160,10 @@ class GraftStore(Protocol):
         ...
 
     def read_sidecar(self, name: str) -> bytes | None:
-        """A small file kept beside the grafts (the library index, `receipts/<id>.json`), or None when there is none.
+        """A small file kept beside the grafts (the library index, `receipts/<id>.json`, `signatures/<name>`), or None when there is none.
 
         Args:
-            name: a file name, or `receipts/` and a file name (`check_sidecar_name`).
+            name: a file name, or `receipts/` or `signatures/` and a file name (`check_sidecar_name`).
         """
         ...
 
@@ -188,7 +190,7 @@ class GraftStore(Protocol):
 
 
 def check_sidecar_name(name: str) -> str:
-    """A sidecar name, checked: one plain file name, or `receipts/` and one (never a path that climbs out).
+    """A sidecar name, checked: one plain file name, or `receipts/` or `signatures/` and one (never a path that climbs out).
 
     Returns:
         The name.
