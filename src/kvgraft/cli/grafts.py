@@ -31,6 +31,7 @@ from kvgraft.engine.engine import Engine
 from kvgraft.format.manifest import Manifest
 from kvgraft.format.receipt import parse_receipt
 from kvgraft.store import open_store
+from kvgraft.store.base import scan_manifests
 
 if TYPE_CHECKING:
     from kvgraft.engine.verify import GraftVerification, ReceiptVerification
@@ -132,9 +133,11 @@ def graft_row(graft_id: str, manifest: Manifest) -> dict[str, Any]:
 
 
 def list_grafts(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
-    """List the grafts in the store."""
+    """List the grafts in the store; a graft whose manifest is damaged is listed as such, with the error."""
     graft_store = open_store(store, must_exist=True)
-    rows = [graft_row(graft_id, graft_store.manifest(graft_id)) for graft_id in graft_store.ids()]
+    scan = scan_manifests(graft_store)
+    rows = [graft_row(graft_id, manifest) for graft_id, manifest in scan.manifests.items()]
+    damaged = [{"id": graft_id, "error": error} for graft_id, error in scan.damaged.items()]
 
     def render() -> None:
         table = Table("id", "tokens", "aligned", "model", "dtype", "title", "created")
@@ -148,9 +151,13 @@ def list_grafts(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
                 r["title"] or "",
                 r["created_at"],
             )
-        out.print(table if rows else f"no grafts in {graft_store.location}")
+        for d in damaged:
+            table.add_row(d["id"][:16], "", "", "[red]damaged[/red]", "", d["error"], "")
+        out.print(table if rows or damaged else f"no grafts in {graft_store.location}")
+        if damaged:
+            out.print(f"{len(damaged)} damaged: `kvgraft rm ID` removes one; building its text again replaces it")
 
-    emit(as_json, {"store": graft_store.location, "grafts": rows}, render)
+    emit(as_json, {"store": graft_store.location, "grafts": rows, "damaged": damaged}, render)
 
 
 def inspect(

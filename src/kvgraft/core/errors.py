@@ -44,3 +44,8 @@ class ReproducibilityError(KvgraftError):
 
 class StoreError(KvgraftError):
     """The store cannot be read or written (missing permissions, not a directory)."""
+
+
+class MissingBlockError(StoreError):
+    """A put names a block the writer reused from the store, and the store no longer has it (a concurrent removal):
+    the writer computes the block again and retries."""

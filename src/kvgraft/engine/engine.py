@@ -16,7 +16,14 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft.core.cache_state import LayerKind, record_kv, restore
 from kvgraft.core.decode import Generation, TokenCallback, decode
-from kvgraft.core.errors import BadInputError, FormatError, IntegrityError, NotAChainError, ReproducibilityError
+from kvgraft.core.errors import (
+    BadInputError,
+    FormatError,
+    IntegrityError,
+    MissingBlockError,
+    NotAChainError,
+    ReproducibilityError,
+)
 from kvgraft.core.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
 from kvgraft.core.hashing import BlockKey, Digest, GraftId, sha256_bytes, sha256_tensor
 from kvgraft.core.sampling import SamplingParams
@@ -277,15 +284,17 @@ class Engine:
         metadata: dict[str, Any],
         on_chunk: ChunkCallback | None = None,
         check: bool = False,
+        reuse_stored: bool = True,
     ) -> BuiltGraft:
         """`check` computes every new block (and the next-token logits) a second time and raises
-        ReproducibilityError, storing nothing, if the two computations differ in any bit."""
+        ReproducibilityError, storing nothing, if the two computations differ in any bit. `reuse_stored` False
+        computes every block, even those the store has."""
         chunk = self.schedule.chunk_size
         aligned = self.schedule.aligned_length(len(tokens))
         keys = block_keys(self.fingerprint, tokens, chunk)
         keep_logits = 0 < aligned == len(tokens)
         reuse = 0
-        while reuse < len(keys) and self.store.has_block(keys[reuse]):
+        while reuse_stored and reuse < len(keys) and self.store.has_block(keys[reuse]):
             reuse += 1
         if keep_logits:
             # The next-token logits come from the last chunk's forward: compute at least that one.
@@ -368,7 +377,13 @@ class Engine:
         """Build and store. `check` computes each new block twice and stores nothing unless both agree in every
         bit (see `build_tokens`): about twice the compute of the blocks built."""
         built = self.build(text, metadata, on_chunk, after, check)
-        graft_id, created = self.store.put(built.manifest, built.tensors, built.blocks)
+        try:
+            graft_id, created = self.store.put(built.manifest, built.tensors, built.blocks)
+        except MissingBlockError:
+            # Another process removed blocks this build reused (a concurrent rm or gc): compute them all and put again.
+            m = built.manifest
+            built = self.build_tokens(list(m.tokens), m.source_sha256, dict(m.metadata), on_chunk, check, False)
+            graft_id, created = self.store.put(built.manifest, built.tensors, built.blocks)
         return PutResult(
             graft_id,
             len(built.manifest.tokens),

@@ -3,22 +3,26 @@
 The grafts are the truth; the index (the store's `index.json` sidecar, `<store>/index.json` for a local store) is
 derived from them. Every open reconciles the two with one listing of the store's ids: grafts missing from the index
 (a crash between writing a graft and updating the index) are read and added, entries whose graft is gone are
-dropped, and an unreadable or lost index is rebuilt from the manifests. The store writes the sidecar atomically,
-so the index is never half-written.
+dropped, and an unreadable or lost index is rebuilt from the manifests. The index records the SHA-256 of its rows,
+so a damaged index (a flipped byte in a summary retrieval ranks by) is rebuilt too, never trusted. The store writes
+the sidecar atomically, so the index is never half-written. A graft whose manifest is damaged is left out of the
+index (it cannot be used) and reported by `scan_index`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvgraft.core.errors import FormatError, IntegrityError, NotFoundError
 from kvgraft.format.manifest import Manifest
 from kvgraft.format.metadata import GraftKind, GraftMetadata, ProblemRef
 from kvgraft.store.base import GraftStore
 
 INDEX_NAME = "index.json"
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,16 @@ class IndexEntry:
         )
 
 
+@dataclass(frozen=True)
+class IndexScan:
+    """The index of a store, reconciled with its grafts, and the grafts left out of it as damaged."""
+
+    entries: dict[str, IndexEntry]
+    """one entry per usable graft, by id"""
+    damaged: dict[str, str]
+    """grafts not yet indexed whose manifest cannot be read, by id, with the error that says why"""
+
+
 def load_index(store: GraftStore) -> dict[str, IndexEntry]:
     """The index of `store`, reconciled with its grafts (and saved again when that changed anything).
 
@@ -93,16 +107,36 @@ def load_index(store: GraftStore) -> dict[str, IndexEntry]:
         store: Any graft store; one that keeps no sidecar has its index rebuilt from the manifests each time.
 
     Returns:
-        One entry per graft, by id.
+        One entry per usable graft, by id (damaged ones are left out: `scan_index` reports them).
+    """
+    return scan_index(store).entries
+
+
+def scan_index(store: GraftStore) -> IndexScan:
+    """`load_index`, also reporting the grafts left out because their manifest is damaged.
+
+    A graft removed by another process while this runs is left out; a damaged one is left out and reported.
     """
     stored = _read(store)
     present = set(store.ids())
     entries = {graft_id: entry for graft_id, entry in (stored or {}).items() if graft_id in present}
+    damaged: dict[str, str] = {}
     for graft_id in sorted(present - set(entries)):
-        entries[graft_id] = IndexEntry.of(store.manifest(graft_id), store.size_bytes(graft_id))
+        try:
+            entries[graft_id] = IndexEntry.of(store.manifest(graft_id), store.size_bytes(graft_id))
+        except NotFoundError:
+            continue  # removed since the listing
+        except (FormatError, IntegrityError) as exc:
+            damaged[graft_id] = str(exc)
     if stored is None or set(stored) != set(entries):
         _write(store, entries)
-    return entries
+    return IndexScan(entries, damaged)
+
+
+def _rows_sha256(rows: Any) -> str:
+    """SHA-256 of the rows in one canonical JSON form (sorted keys, no spaces), whatever the file's layout."""
+    canonical = json.dumps(rows, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def _read(store: GraftStore) -> dict[str, IndexEntry] | None:
@@ -111,18 +145,16 @@ def _read(store: GraftStore) -> dict[str, IndexEntry] | None:
         return None
     try:
         data = json.loads(raw.decode("utf-8"))
-        if data.get("index_version") != INDEX_VERSION:
-            return None
+        if data.get("index_version") != INDEX_VERSION or data.get("grafts_sha256") != _rows_sha256(data["grafts"]):
+            return None  # an older layout, or damaged: rebuilt from the manifests
         return {row["id"]: IndexEntry(**row) for row in data["grafts"]}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None  # lost or damaged: rebuilt from the manifests
 
 
 def _write(store: GraftStore, entries: dict[str, IndexEntry]) -> None:
-    payload: dict[str, Any] = {
-        "index_version": INDEX_VERSION,
-        "grafts": [asdict(entries[k]) for k in sorted(entries)],
-    }
+    rows = [asdict(entries[k]) for k in sorted(entries)]
+    payload: dict[str, Any] = {"index_version": INDEX_VERSION, "grafts_sha256": _rows_sha256(rows), "grafts": rows}
     store.write_sidecar(INDEX_NAME, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
 
 
@@ -133,6 +165,9 @@ class StoreStats:
     aligned_tokens: int
     disk_bytes: int
     logical_bytes: int
+    damaged_grafts: int = 0
+    """grafts the index could not take in because their manifest cannot be read (`kvgraft ls` lists every damaged
+    graft; `kvgraft rm` removes one)"""
 
     @property
     def dedup_ratio(self) -> float:
@@ -147,11 +182,13 @@ class StoreStats:
 def store_stats(store: GraftStore) -> StoreStats:
     """Logical bytes are what the grafts would take each on its own (every block they name counted for each);
     disk bytes count every graft directory and every block file once."""
-    entries = load_index(store).values()
+    scan = scan_index(store)
+    entries = scan.entries.values()
     return StoreStats(
         grafts=len(entries),
         tokens=sum(e.tokens for e in entries),
         aligned_tokens=sum(e.aligned_tokens for e in entries),
         disk_bytes=store.disk_bytes(),
         logical_bytes=sum(e.bytes for e in entries),
+        damaged_grafts=len(scan.damaged),
     )

@@ -18,6 +18,7 @@ from kvgraft.format.manifest import BlockRef, Manifest
 GC_GRACE_S = 3600.0
 """Unreferenced blocks younger than this are kept by gc: a build may be about to name them."""
 _HEX = re.compile(r"[0-9a-f]{1,64}")  # used with fullmatch
+_KEY_TEXT = re.compile(rb"[0-9a-f]{64}")
 _SIDECAR = re.compile(r"(?:(?:receipts|signatures)/)?[A-Za-z0-9][A-Za-z0-9._-]*")  # used with fullmatch
 RECEIPTS_DIR = "receipts"
 """Where a store keeps the receipts of served generations, as sidecars `receipts/<receipt id>.json`."""
@@ -160,7 +161,8 @@ class GraftStore(Protocol):
         ...
 
     def read_sidecar(self, name: str) -> bytes | None:
-        """A small file kept beside the grafts (the library index, `receipts/<id>.json`, `signatures/<name>`), or None when there is none.
+        """A small file kept beside the grafts (the library index, `receipts/<id>.json`, `signatures/<name>`), or None
+        when there is none.
 
         Args:
             name: a file name, or `receipts/` or `signatures/` and a file name (`check_sidecar_name`).
@@ -189,8 +191,63 @@ class GraftStore(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ManifestScan:
+    """Every graft's manifest, read one by one: what a command walking the whole store works from."""
+
+    manifests: dict[GraftId, Manifest]
+    """the readable ones, by id"""
+    damaged: dict[GraftId, str]
+    """the unreadable ones (truncated, altered, unparsable), by id, with the error that says why"""
+
+
+def scan_manifests(store: GraftStore) -> ManifestScan:
+    """Read every graft's manifest, carrying on past damaged ones; a graft removed since the listing is left out.
+
+    Raises:
+        StoreError: the store itself cannot be read (a damaged graft is reported, not raised).
+    """
+    manifests: dict[GraftId, Manifest] = {}
+    damaged: dict[GraftId, str] = {}
+    for graft_id in store.ids():
+        try:
+            manifests[graft_id] = store.manifest(graft_id)
+        except NotFoundError:
+            continue  # removed by another process between the listing and this read
+        except (FormatError, IntegrityError) as exc:
+            damaged[graft_id] = str(exc)
+    return ManifestScan(manifests, damaged)
+
+
+def keys_named_in(raw: bytes) -> set[str]:
+    """Every 64-hex-digit string in a damaged manifest's bytes: the blocks it may still name. A superset (graft and
+    tensor digests match too), which is what keeping blocks conservatively needs."""
+    return {match.decode() for match in _KEY_TEXT.findall(raw)}
+
+
+def manifest_keys(store: GraftStore, graft_id: str, raw: Callable[[], bytes | None]) -> set[str]:
+    """The block keys a graft names: from its manifest, or, when that is damaged, every key its bytes may name.
+
+    Args:
+        store: The store.
+        graft_id: A full graft id.
+        raw: Reads the manifest's bytes (None when gone).
+
+    Returns:
+        The keys; empty when the graft is gone.
+    """
+    try:
+        return {ref.key for ref in store.manifest(graft_id).blocks}
+    except NotFoundError:
+        return set()
+    except (FormatError, IntegrityError):
+        data = raw()
+        return keys_named_in(data) if data is not None else set()
+
+
 def check_sidecar_name(name: str) -> str:
-    """A sidecar name, checked: one plain file name, or `receipts/` or `signatures/` and one (never a path that climbs out).
+    """A sidecar name, checked: one plain file name, or `receipts/` or `signatures/` and one (never a path that climbs
+    out).
 
     Returns:
         The name.

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvgraft.core.errors import KvgraftError, NotFoundError, StoreError
+from kvgraft.core.errors import FormatError, IntegrityError, MissingBlockError, NotFoundError, StoreError
 from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
 from kvgraft.format.blocks import BLOCK_SUFFIX, assemble
 from kvgraft.format.manifest import (
@@ -44,6 +44,7 @@ from kvgraft.store.base import (
     GraftStore,
     StoredGraft,
     check_sidecar_name,
+    manifest_keys,
     resolve_id,
     stored_block_digest,
 )
@@ -158,20 +159,85 @@ class LocalStore:
         Every block the manifest lists must be given or already stored; a stored block must declare the same digest.
         """
         graft_id = manifest.id
-        final = self._grafts / graft_id
-        if (final / MANIFEST_NAME).exists():
+        given = blocks or {}
+        if (self._grafts / graft_id / MANIFEST_NAME).exists() and not self._damaged_parts(manifest, given):
             return graft_id, False
         self._ensure_writable()
         with self._locked():
-            return self._put_locked(manifest, tensors, blocks or {})
+            if (self._grafts / graft_id / MANIFEST_NAME).exists():
+                self._repair_locked(manifest, tensors, given)
+                return graft_id, False
+            return self._put_locked(manifest, tensors, given)
+
+    def _damaged_parts(self, manifest: Manifest, given: dict[BlockKey, dict[str, torch.Tensor]]) -> bool:
+        """Whether a stored graft with this id has a damaged manifest or tensors file, or a damaged copy of a block the
+        writer gave (one it can replace; the blocks it reused were checked as it read them)."""
+        try:
+            stored = self.manifest(manifest.id)
+            read_tensors_checked(self._grafts / stored.id / stored.tensors_file, stored)
+            for ref in manifest.blocks:
+                if ref.key in given:
+                    self.read_block(ref.key, ref)
+        except NotFoundError:
+            return False  # removed meanwhile: the locked put writes it whole
+        except (FormatError, IntegrityError):
+            return True
+        return False
+
+    def _repair_locked(
+        self, manifest: Manifest, tensors: dict[str, torch.Tensor], given: dict[BlockKey, dict[str, torch.Tensor]]
+    ) -> None:
+        """Replace the damaged parts of a stored graft by the writer's: blocks it gave, then its own files, each
+        atomically (so every reader sees either the damaged file, which it refuses, or the repaired one)."""
+        for ref in manifest.blocks:
+            if ref.key in given:
+                self._put_block(ref, given[ref.key])
+        final = self._grafts / manifest.id
+        try:
+            self.own_tensors(self.manifest(manifest.id))
+            return
+        except NotFoundError:
+            return  # removed meanwhile: nothing to repair
+        except (FormatError, IntegrityError):
+            pass
+        try:
+            for name, data in ((manifest.tensors_file, tensors_file_bytes(tensors)), (MANIFEST_NAME, None)):
+                self._replace_file(final / name, data if data is not None else manifest_bytes(manifest))
+        except OSError as exc:
+            raise StoreError(f"cannot repair graft in {self.root}: {exc.strerror or exc}") from None
+
+    def _replace_file(self, path: Path, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f"{path.name}-", dir=self.root / "tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        _fsync_dir(path.parent)
 
     def _put_locked(
         self, manifest: Manifest, tensors: dict[str, torch.Tensor], given: dict[BlockKey, dict[str, torch.Tensor]]
     ) -> tuple[GraftId, bool]:
         graft_id = manifest.id
         final = self._grafts / graft_id
-        for ref in manifest.blocks:
-            self._put_block(ref, given.get(ref.key))
+        written: list[Path] = []
+        try:
+            for ref in manifest.blocks:
+                if self._put_block(ref, given.get(ref.key)):
+                    written.append(self.block_path(ref.key))
+            return self._commit(manifest, tensors, final)
+        except StoreError:
+            # A failed put (a full disk, a missing block) takes back the blocks it wrote: under the lock no other put
+            # can have named them, and a build that read one meanwhile recomputes it when its put misses it.
+            for path in written:
+                path.unlink(missing_ok=True)
+            raise
+
+    def _commit(self, manifest: Manifest, tensors: dict[str, torch.Tensor], final: Path) -> tuple[GraftId, bool]:
+        graft_id = manifest.id
         try:
             staging = Path(tempfile.mkdtemp(prefix=f"{graft_id[:12]}-", dir=self.root / "tmp"))
         except OSError as exc:
@@ -194,9 +260,18 @@ class LocalStore:
             shutil.rmtree(staging, ignore_errors=True)
         return graft_id, True
 
-    def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> None:
+    def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> bool:
+        """Store one block unless an intact copy is there.
+
+        Returns:
+            Whether this call created the block file (False when it was there, intact or replaced because damaged).
+
+        Raises:
+            MissingBlockError: the writer reused the block and it is gone (removed since the writer read it).
+        """
         path = self.block_path(ref.key)
-        if path.is_file():
+        existed = path.is_file()
+        if existed:
             stored = stored_block_digest(
                 ref,
                 tensors,
@@ -204,13 +279,15 @@ class LocalStore:
                 lambda: self.read_block(ref.key)[0].sha256,
             )
             if stored is not None:
-                os.utime(path)  # fresh again, so gc's grace period keeps it
-                return
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(path)  # fresh again, so gc's grace period keeps it
+                    return False
         if tensors is None:
-            raise StoreError(
+            raise MissingBlockError(
                 f"block {ref.key[:12]} is neither stored nor given (removed while the graft was being built?); "
                 "build the graft again"
             )
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix="block-", suffix=BLOCK_SUFFIX, dir=self.root / "tmp")
@@ -219,9 +296,14 @@ class LocalStore:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, path)  # a concurrent writer of the same block writes the same bytes
+            tmp = None
             _fsync_dir(path.parent)
         except OSError as exc:
             raise StoreError(f"cannot write block to {self.root}: {exc.strerror or exc}") from None
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)  # a full disk keeps no half-written block
+        return not existed
 
     def ids(self) -> list[GraftId]:
         if not self._grafts.is_dir():
@@ -253,19 +335,12 @@ class LocalStore:
         final = self.root / check_sidecar_name(name)
         try:
             final.parent.mkdir(exist_ok=True)
-            # Under tmp/, like every temporary file of the store: a killed writer leaves litter gc clears.
             (self.root / "tmp").mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f"{final.name}-", dir=self.root / "tmp")
+            # Under the lock, like every writer of tmp/: gc clears tmp/ under it, so it only ever clears litter.
+            with self._locked():
+                self._replace_file(final, data)
         except OSError:
-            return  # a read-only store still works, from the manifests
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, final)
-        except OSError:
-            Path(tmp).unlink(missing_ok=True)  # a full disk keeps nothing, not a half-written file
+            return  # a read-only store still works, from the manifests; a full disk keeps nothing half-written
 
     def resolve(self, id_or_prefix: str) -> GraftId:
         return resolve_id(
@@ -277,7 +352,7 @@ class LocalStore:
         path = self._grafts / full / MANIFEST_NAME
         manifest = parse_manifest(path.read_bytes(), str(path))
         if manifest.id != full:
-            raise NotFoundError(f"graft directory {full} holds graft {manifest.id}")
+            raise FormatError(f"graft directory {full} holds graft {manifest.id}")
         return manifest
 
     def get(self, graft_id: str) -> StoredGraft:
@@ -288,26 +363,36 @@ class LocalStore:
         return StoredGraft(manifest, assemble(blocks) | tensors)
 
     def delete(self, graft_id: str) -> None:
-        """Remove a graft, then those of its blocks that no other graft names."""
+        """Remove a graft, then those of its blocks that no other graft names. A damaged graft's blocks are those its
+        bytes may still name (`keys_named_in`); blocks beyond a truncation are left to `gc`."""
         full = self.resolve(graft_id)
         self._ensure_writable()
-        try:
-            blocks = {ref.key for ref in self.manifest(full).blocks}
-        except KvgraftError:
-            blocks = set()  # a broken manifest names no block we can trust; `gc` clears what it left
-        # Rename first so that no reader ever sees half a graft.
-        doomed = Path(tempfile.mkdtemp(prefix="rm-", dir=self.root / "tmp"))
-        (self._grafts / full).rename(doomed / full)
-        shutil.rmtree(doomed, ignore_errors=True)
-        if blocks:
-            # If another graft is unreadable, what it names is unknown: then every block is kept.
-            with self._locked(), contextlib.suppress(KvgraftError):
+        blocks = self._named_blocks(full)
+        with self._locked():
+            # Rename first so that no reader ever sees half a graft; under the lock, since gc clears tmp/ under it.
+            doomed = Path(tempfile.mkdtemp(prefix="rm-", dir=self.root / "tmp"))
+            try:
+                (self._grafts / full).rename(doomed / full)
+            except FileNotFoundError:
+                raise NotFoundError(f"no graft {graft_id} in store {self.location}") from None  # removed meanwhile
+            finally:
+                shutil.rmtree(doomed, ignore_errors=True)
+            if blocks:
                 self._remove_blocks(blocks - self.referenced_blocks(), grace_s=0.0)
 
+    def _named_blocks(self, graft_id: GraftId) -> set[str]:
+        def raw() -> bytes | None:
+            try:
+                return (self._grafts / graft_id / MANIFEST_NAME).read_bytes()
+            except OSError:
+                return None
+
+        return manifest_keys(self, graft_id, raw)
+
     def referenced_blocks(self) -> set[str]:
-        """Keys of every block some graft's manifest names (reads every manifest; an unreadable one raises, since
-        the blocks it names cannot be known)."""
-        return {ref.key for graft_id in self.ids() for ref in self.manifest(graft_id).blocks}
+        """Keys of every block some graft names; a damaged manifest's are every key its bytes may name, so that a
+        graft that can still be repaired keeps its blocks."""
+        return {key for graft_id in self.ids() for key in self._named_blocks(graft_id)}
 
     def block_files(self) -> list[Path]:
         return sorted(self._blocks.glob(f"*/*{BLOCK_SUFFIX}")) if self._blocks.is_dir() else []
@@ -321,12 +406,13 @@ class LocalStore:
             referenced = self.referenced_blocks()
             unreferenced = {p.name.removesuffix(BLOCK_SUFFIX) for p in self.block_files()} - referenced
             report = self._remove_blocks(unreferenced, grace_s)
-        # Staging litter of interrupted puts and deletes (a live put's staging is younger than the grace period).
-        now = time.time()
-        for entry in (self.root / "tmp").iterdir():
-            with contextlib.suppress(OSError):
-                if now - entry.lstat().st_mtime >= grace_s:
-                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            # Staging litter of interrupted puts, deletes and sidecar writes: every writer of tmp/ holds the lock, so
+            # what is there now belongs to a writer that died.
+            now = time.time()
+            for entry in (self.root / "tmp").iterdir():
+                with contextlib.suppress(OSError):
+                    if now - entry.lstat().st_mtime >= grace_s:
+                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         return report
 
     def _remove_blocks(self, keys: Iterable[str], grace_s: float) -> GcReport:
@@ -350,19 +436,36 @@ class LocalStore:
         return str((self._grafts / manifest.id / manifest.tensors_file).resolve())
 
     def size_bytes(self, graft_id: str) -> int:
-        """Bytes the graft takes on its own: its directory plus every block it names (shared or not)."""
+        """Bytes the graft takes on its own: its directory plus every block it names (shared or not; a block missing
+        counts 0)."""
         full = self.resolve(graft_id)
-        own = sum(p.stat().st_size for p in (self._grafts / full).iterdir())
-        return own + sum(self.block_path(ref.key).stat().st_size for ref in self.manifest(full).blocks)
+        manifest = self.manifest(full)
+        own = sum(_size(p) for p in _files_in(self._grafts / full))
+        return own + sum(_size(self.block_path(ref.key)) for ref in manifest.blocks)
 
     def disk_bytes(self) -> int:
-        """Bytes on disk: every graft directory and every block file, each block counted once."""
-        grafts = sum(p.stat().st_size for d in self._grafts.glob("*") if d.is_dir() for p in d.iterdir())
-        return grafts + sum(p.stat().st_size for p in self.block_files())
+        """Bytes on disk: every graft directory and every block file, each block counted once (a file removed by
+        another process during the walk counts 0)."""
+        grafts = sum(_size(p) for d in self._grafts.glob("*") for p in _files_in(d))
+        return grafts + sum(_size(p) for p in self.block_files())
 
     def own_tensors(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """The graft's tensors file (memory-mapped), checked against `manifest`; its blocks are not read."""
         return read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _files_in(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _write_synced(path: Path, data: bytes) -> None:

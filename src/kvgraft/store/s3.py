@@ -48,7 +48,13 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store as _ObjectStore
 
-from kvgraft.core.errors import FormatError, KvgraftError, NotFoundError, StoreError
+from kvgraft.core.errors import (
+    FormatError,
+    IntegrityError,
+    MissingBlockError,
+    NotFoundError,
+    StoreError,
+)
 from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
 from kvgraft.format.blocks import BLOCK_SUFFIX
 from kvgraft.format.manifest import (
@@ -66,7 +72,15 @@ from kvgraft.format.tensor_files import (
     read_tensors_checked_bytes,
     tensors_file_bytes,
 )
-from kvgraft.store.base import GC_GRACE_S, GcReport, StoredGraft, check_sidecar_name, resolve_id, stored_block_digest
+from kvgraft.store.base import (
+    GC_GRACE_S,
+    GcReport,
+    StoredGraft,
+    check_sidecar_name,
+    manifest_keys,
+    resolve_id,
+    stored_block_digest,
+)
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta
@@ -335,9 +349,10 @@ class S3Store:
         """
         graft_id = manifest.id
         manifest_path = self._graft_path(graft_id, MANIFEST_NAME)
-        if self._head(manifest_path) is not None:
-            return graft_id, False
         given = blocks or {}
+        if self._head(manifest_path) is not None:
+            self._repair(manifest, tensors, given)
+            return graft_id, False
         # Blocks are independent objects: upload them concurrently, then commit only once all are in place. A failed
         # upload leaves at most unreferenced blocks, which gc removes.
         self._all(lambda ref: self._put_block(ref, given.get(ref.key)), manifest.blocks)
@@ -352,6 +367,21 @@ class S3Store:
         if created:
             self._bump()
         return graft_id, created
+
+    def _repair(
+        self, manifest: Manifest, tensors: dict[str, torch.Tensor], given: dict[BlockKey, dict[str, torch.Tensor]]
+    ) -> None:
+        """Replace the damaged parts of a stored graft by the writer's: the blocks it gave (each checked in full),
+        then its tensors file and manifest when either fails its check."""
+        self._all(lambda ref: self._put_block(ref, given[ref.key]), [r for r in manifest.blocks if r.key in given])
+        try:
+            self.own_tensors(self.manifest(manifest.id))
+        except NotFoundError:
+            return  # removed meanwhile
+        except (FormatError, IntegrityError):
+            self._write(self._graft_path(manifest.id, manifest.tensors_file), tensors_file_bytes(tensors))
+            self._write(self._graft_path(manifest.id, MANIFEST_NAME), manifest_bytes(manifest))
+            self._bump()
 
     def _put_block(self, ref: BlockRef, tensors: dict[str, torch.Tensor] | None) -> None:
         path = self.block_path(ref.key)
@@ -372,7 +402,7 @@ class S3Store:
                     self._write(path, bytes(data))
                 return
         if tensors is None:
-            raise StoreError(
+            raise MissingBlockError(
                 f"block {ref.key[:12]} is neither stored nor given (removed while the graft was being built?); "
                 "build the graft again"
             )
@@ -434,7 +464,7 @@ class S3Store:
             raise NotFoundError(f"no graft {graft_id} in store {self._location}")
         manifest = parse_manifest(bytes(fetched[0]), self.url(path))
         if manifest.id != full:
-            raise NotFoundError(f"graft directory {full} holds graft {manifest.id}")
+            raise FormatError(f"graft directory {full} holds graft {manifest.id}")
         return manifest
 
     def get(self, graft_id: str) -> StoredGraft:
@@ -465,24 +495,25 @@ class S3Store:
     def delete(self, graft_id: str) -> None:
         """Remove a graft (its manifest first, so no reader sees half a graft), then its blocks no other names."""
         full = self.resolve(graft_id)
-        try:
-            blocks = {ref.key for ref in self.manifest(full).blocks}
-        except KvgraftError:
-            blocks = set()  # a broken manifest names no block we can trust; `gc` clears what it left
+        blocks = self._named_blocks(full)
         self._remove(self._graft_path(full, MANIFEST_NAME))
         self._bump()
         for meta in self._list(f"grafts/{full}"):
             self._remove(meta["path"])
-        if blocks:
-            # If another graft is unreadable, what it names is unknown: then every block is kept.
-            with contextlib.suppress(KvgraftError):
-                for key in blocks - self.referenced_blocks():
-                    self._remove(self.block_path(key))
+        for key in blocks - self.referenced_blocks() if blocks else ():
+            self._remove(self.block_path(key))
+
+    def _named_blocks(self, graft_id: str) -> set[str]:
+        def raw() -> bytes | None:
+            fetched = self._fetch(self._graft_path(graft_id, MANIFEST_NAME))
+            return bytes(fetched[0]) if fetched is not None else None
+
+        return manifest_keys(self, graft_id, raw)
 
     def referenced_blocks(self) -> set[str]:
-        """Keys of every block some graft's manifest names (reads every manifest; an unreadable one raises)."""
-        manifests = self._all(self.manifest, self.ids())
-        return {ref.key for manifest in manifests for ref in manifest.blocks}
+        """Keys of every block some graft names (reads every manifest); a damaged manifest's are every key its bytes
+        may name (`manifest_keys`)."""
+        return {key for keys in self._all(self._named_blocks, self.ids()) for key in keys}
 
     def gc(self, grace_s: float = GC_GRACE_S) -> GcReport:
         """Remove blocks no graft names whose last_modified is older than `grace_s`, and litter of killed puts
