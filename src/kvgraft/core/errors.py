@@ -22,6 +22,10 @@ class NotFoundError(KvgraftError):
     """A graft id (or prefix) matches nothing in the store, or more than one graft."""
 
 
+class UntrustedGraftError(NotFoundError):
+    """Under a trust policy, a graft no trusted key has signed: it is stored, but not there for use."""
+
+
 class FormatError(KvgraftError):
     """A manifest or tensors file is malformed, truncated or of an unknown format version."""
 

@@ -40,6 +40,7 @@ from kvgraft.format.tensor_files import (
 )
 from kvgraft.store.base import (
     GC_GRACE_S,
+    SIGNATURES_DIR,
     GcReport,
     GraftStore,
     StoredGraft,
@@ -377,6 +378,8 @@ class LocalStore:
                 raise NotFoundError(f"no graft {graft_id} in store {self.location}") from None  # removed meanwhile
             finally:
                 shutil.rmtree(doomed, ignore_errors=True)
+            for signature in (self.root / SIGNATURES_DIR).glob(f"{full}.*.json"):
+                signature.unlink(missing_ok=True)  # its writers' signatures go with it
             if blocks:
                 self._remove_blocks(blocks - self.referenced_blocks(), grace_s=0.0)
 
