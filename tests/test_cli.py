@@ -245,7 +245,7 @@ def test_a_store_that_is_missing_or_a_file_is_an_error_not_an_empty_store(
 
 def test_ls_of_an_empty_store_is_empty(store: Path) -> None:
     store.mkdir()
-    assert ok_json(cli("ls", "--store", store, "--json")) == {"store": str(store), "grafts": []}
+    assert ok_json(cli("ls", "--store", store, "--json")) == {"store": str(store), "grafts": [], "damaged": []}
 
 
 def test_inspect_json_is_the_manifest_plus_an_absolute_tensors_path(
@@ -505,9 +505,12 @@ def test_malformed_manifest(store: Path) -> None:
         ("inspect", gid),
         ("verify", gid),
         ("generate", "--graft", gid, "-n", 2),
-        ("ls",),
     ):
         fails(cli(*args, "--store", store, "--json"), "manifest.json: manifest is not valid JSON")
+    # ls carries on: the broken graft is one damaged row, with the error.
+    listed = ok_json(cli("ls", "--store", store, "--json"))
+    assert listed["grafts"] == [] and [row["id"] for row in listed["damaged"]] == [gid]
+    assert "manifest.json: manifest is not valid JSON" in listed["damaged"][0]["error"]
     assert_store_unchanged(store, [gid])
     # A broken graft can still be removed.
     ok(cli("rm", gid, "--store", store))
