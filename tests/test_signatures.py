@@ -78,6 +78,9 @@ def _refusal(graft_id: str, keys: Path, reason: str) -> str:
     return f"graft {graft_id[:12]} is not signed by a trusted key ({keys}): {reason}"
 
 
+CLI_HINT = "; sign it with `kvgraft sign ID --key NAME.key`, or add its signer's .pub to --trusted-keys"
+
+
 def _refused(store: GraftStore, graft_id: str, keys: Path, reason: str) -> None:
     """A fresh policy tier neither lists the graft nor lets any read of it through, each with the exact message."""
     trusted = TrustedStore(store, TrustPolicy.load(keys))
@@ -333,7 +336,7 @@ def test_cli_keys_sign_and_generate_under_a_policy(tmp_path: Path) -> None:
     graft_id = build(store, TEXT_48)
     generate = ("generate", "--graft", graft_id[:10], "-n", 3, "--store", store, "--trusted-keys", trusted, "--json")
     line = fails(cli(*generate))
-    assert line == f"error: {_refusal(graft_id, trusted, 'unsigned')}"
+    assert line == f"error: {_refusal(graft_id, trusted, 'unsigned')}{CLI_HINT}"
     fails(
         cli(*generate[:-3], "--trusted-keys", tmp_path / "none"),
         f"trusted keys directory {tmp_path / 'none'} does not exist",
@@ -355,7 +358,7 @@ def test_cli_keys_sign_and_generate_under_a_policy(tmp_path: Path) -> None:
     assert json.loads(ok(by_env).stdout)["graft_id"] == other["id"]
     (store / "signatures" / f"{other['id']}.{made['key_id']}.json").unlink()
     refused = runner.invoke(app, ["generate", "-g", other["id"], "-n", "2", "-s", str(store)], env=env)
-    assert fails(refused) == f"error: {_refusal(other['id'], trusted, 'unsigned')}"
+    assert fails(refused) == f"error: {_refusal(other['id'], trusted, 'unsigned')}{CLI_HINT}"
 
 
 # --- FORMAT.md's standalone check -------------------------------------------------------------------------------

@@ -20,13 +20,14 @@ except ImportError:  # pragma: no cover - older typer on click
     from click import exceptions as click_errors  # type: ignore[no-redef]
 
 from kvgraft.cli.output import err
-from kvgraft.core.errors import EnvironmentMismatchError, KvgraftError, NotAChainError
+from kvgraft.core.errors import EnvironmentMismatchError, KvgraftError, NotAChainError, UntrustedGraftError
 
 P = ParamSpec("P")
 
 HINTS: dict[type[KvgraftError], str] = {
     EnvironmentMismatchError: "pass --allow-env-mismatch to use it anyway, reported as not exact",
     NotAChainError: "build it with --after, or pass --approximate",
+    UntrustedGraftError: "sign it with `kvgraft sign ID --key NAME.key`, or add its signer's .pub to --trusted-keys",
 }
 """The flags that remedy an error, by the error's type."""
 
