@@ -81,14 +81,14 @@ def redis_server() -> Iterator[RedisServer]:
         pytest.skip("Redis tests need the redis package: pip install redis")
     given = os.environ.get(REDIS_URL_ENV)
     if given:
-        server = RedisServer(given, None)
+        server = RedisServer(_worker_database(given), None)
         _wait_for_ping(server)
         yield server
         return
     if shutil.which("redis-server") is None:
         pytest.skip(f"Redis tests need redis-server on PATH (apt-get install redis-server) or {REDIS_URL_ENV}")
     port = _free_port()
-    server = RedisServer(f"redis://127.0.0.1:{port}/0", _start(port))
+    server = RedisServer(_worker_database(f"redis://127.0.0.1:{port}/0"), _start(port))
     try:
         _wait_for_ping(server)
         yield server
@@ -107,3 +107,12 @@ def redis_url(redis_server: RedisServer) -> str:
         _wait_for_ping(server)
     server.client().flushdb()
     return server.url
+
+
+def _worker_database(url: str) -> str:
+    """The URL with a database of this pytest-xdist worker's own (gw0 -> 0, gw1 -> 1, ...), so that workers running
+    at once never flush each other's keys; the URL as given without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return url
+    return f"{url.rsplit('/', 1)[0]}/{int(worker[2:]) % 16}"

@@ -560,9 +560,9 @@ def test_environment_mismatch_is_refused_with_the_flag_that_allows_it(
     gid = build(store, TEXT_48)
     stored = json.loads((graft_dir(store, gid) / "manifest.json").read_text())["fingerprint"]["environment"]
     real = fingerprint.numeric_environment
-    monkeypatch.setattr(fingerprint, "numeric_environment", lambda device: real(device) | {"threads": 999})
+    monkeypatch.setattr(fingerprint, "numeric_environment", lambda device: real(device) | {"cpu_capability": "X"})
     problem = (
-        f"error: numeric environment differs (graft vs this run: threads {stored['threads']} vs 999); "
+        f"error: numeric environment differs (graft vs this run: cpu_capability {stored['cpu_capability']!r} vs 'X'); "
         "exactness is not guaranteed under another environment"
     )
     line = fails(cli("generate", "--graft", gid, "-n", 2, "--store", store))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kvgraft.cli import flywheel, grafts, serve, store, transfer
+from kvgraft.cli import flywheel, grafts, keys, serve, store, transfer
 from kvgraft.cli.errors import OneLineErrors, handle_errors
 
 app = typer.Typer(
@@ -17,6 +17,8 @@ app = typer.Typer(
 )
 store_app = typer.Typer(help="The store as a whole.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
+keys_app = typer.Typer(help="Signing keys for grafts.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 
 for name, command in (
     ("build", grafts.build),
@@ -25,6 +27,7 @@ for name, command in (
     ("generate", grafts.generate),
     ("verify", grafts.verify),
     ("rm", grafts.rm),
+    ("sign", keys.sign),
     ("export", transfer.export),
     ("import", transfer.import_),
     ("harvest", flywheel.harvest),
@@ -36,6 +39,7 @@ for name, command in (
 store_app.command("stats")(handle_errors(store.stats))
 store_app.command("gc")(handle_errors(store.gc))
 store_app.command("copy")(handle_errors(transfer.store_copy))
+keys_app.command("new")(handle_errors(keys.keys_new))
 
 
 def main() -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE
 from kvgraft.engine.engine import Engine
 from kvgraft.models.loading import DEFAULT_DTYPE
-from kvgraft.store import open_store
+from kvgraft.store import GraftStore, open_store
+from kvgraft.store.trust import TrustedStore, TrustPolicy
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_DTYPE", "FALLBACK_MODEL", "load_engine"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_DTYPE", "FALLBACK_MODEL", "load_engine", "open_trusted_store"]
 
 FALLBACK_MODEL = "random:gemma4"
 """The model when neither the user nor a graft names one."""
@@ -22,6 +25,7 @@ def load_engine(
     allow_env_mismatch: bool = False,
     cache_bytes: int | None = None,
     shared_cache: str | None = None,
+    trusted_keys: str | Path | None = None,
 ) -> Engine:
     """Load the engine; unspecified model, dtype and chunk size default to the graft's own when there is one.
 
@@ -35,11 +39,13 @@ def load_engine(
         allow_env_mismatch: use grafts made under another numeric environment (reported as not exact).
         cache_bytes: size of the RAM tier of restored grafts in front of the store; None for none.
         shared_cache: redis://HOST:PORT/DB of a block cache shared between processes; None for none.
+        trusted_keys: a directory of trusted public keys (`*.pub`): only grafts one of them signed are used (the
+            graft above included); None for no policy.
 
     Returns:
         The loaded engine, on the opened store.
     """
-    graft_store = open_store(store)
+    graft_store = open_trusted_store(store, trusted_keys)
     if graft is not None and (model is None or chunk_size is None or dtype is None):
         manifest = graft_store.manifest(graft)
         model = model or manifest.model_name
@@ -54,3 +60,20 @@ def load_engine(
         cache_bytes=cache_bytes,
         shared_cache=shared_cache,
     )
+
+
+def open_trusted_store(store: str | None, trusted_keys: str | Path | None, must_exist: bool = False) -> GraftStore:
+    """The store, seen through the trust policy of `trusted_keys` when one is given.
+
+    Args:
+        store: the store directory or URL; None for the default store.
+        trusted_keys: a directory of trusted public keys (`*.pub`); None (or empty) for no policy.
+        must_exist: refuse a local store that does not exist.
+
+    Returns:
+        The store, or a `TrustedStore` over it. BadInputError for a keys directory that is missing or holds no key.
+    """
+    graft_store = open_store(store, must_exist=must_exist)
+    if not trusted_keys:
+        return graft_store
+    return TrustedStore(graft_store, TrustPolicy.load(Path(trusted_keys)))

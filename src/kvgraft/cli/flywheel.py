@@ -12,7 +12,18 @@ import typer
 from rich.table import Table
 
 from kvgraft.cli.engines import load_engine
-from kvgraft.cli.options import CpusPerWorkerOpt, JsonOpt, ModelOpt, RayAddressOpt, SharedCacheOpt, StoreOpt, WorkersOpt
+from kvgraft.cli.options import (
+    CpusPerWorkerOpt,
+    JsonOpt,
+    ModelOpt,
+    RayAddressOpt,
+    SharedCacheOpt,
+    StoreOpt,
+    ThreadsOpt,
+    TrustedKeysOpt,
+    WorkersOpt,
+    apply_threads,
+)
 from kvgraft.cli.output import emit, out, progress
 from kvgraft.engine.engine import Engine
 
@@ -53,9 +64,11 @@ def harvest(
     ray_address: RayAddressOpt = None,
     workers: WorkersOpt = None,
     cpus_per_worker: CpusPerWorkerOpt = None,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Solve, verify, store: replay grafts of verified solutions (and context blocks), with their upstream cost."""
+    apply_threads(threads)  # Ray actors get the same count (EngineSpec)
     from kvgraft.core.errors import BadInputError
     from kvgraft.flywheel.datasets import load_dataset
     from kvgraft.flywheel.distributed import EngineSpec, RaySettings, WorkerPool
@@ -120,9 +133,12 @@ def bench(
     ] = True,
     model: ModelOpt = None,
     store: StoreOpt = None,
+    trusted_keys: TrustedKeysOpt = None,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The ladder: bare, grafted and gated accuracy with intervals, seen vs unseen, decode tokens, receipts."""
+    apply_threads(threads)
     from kvgraft.flywheel.bench import Gate, run_ladder, summarize
     from kvgraft.flywheel.datasets import load_dataset
     from kvgraft.flywheel.report import write_report
@@ -131,7 +147,7 @@ def bench(
 
     items = load_dataset(dataset)[:limit]
     retriever = make_retriever(dense_model)  # before the model: a bad path fails at once
-    engine = load_engine(model or "demo", library or store)
+    engine = load_engine(model or "demo", library or store, trusted_keys=trusted_keys)
     gate = Gate(min_match=min_match, min_confidence=min_confidence)
     with progress("bench", not as_json) as on_chunk:
         results, facts = run_ladder(
@@ -184,9 +200,11 @@ def demo(
         ),
     ] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("kvgraft-report"),
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The flywheel on the demo model: harvest half the exam, then the ladder (bare, grafted, gated) on all of it."""
+    apply_threads(threads)
     if exactness:
         with tempfile.TemporaryDirectory(prefix="kvgraft-demo-") as tmp:
             _exactness_demo(Path(store or tmp), store is None, as_json)

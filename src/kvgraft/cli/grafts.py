@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvgraft.cli.engines import load_engine
+from kvgraft.cli.engines import load_engine, open_trusted_store
 from kvgraft.cli.inputs import jsonl_items, read_text_file
 from kvgraft.cli.options import (
     ChunkOpt,
@@ -22,7 +22,10 @@ from kvgraft.cli.options import (
     RayAddressOpt,
     SharedCacheOpt,
     StoreOpt,
+    ThreadsOpt,
+    TrustedKeysOpt,
     WorkersOpt,
+    apply_threads,
 )
 from kvgraft.cli.output import emit, err, out, progress
 from kvgraft.core.errors import BadInputError
@@ -30,8 +33,10 @@ from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.format.manifest import Manifest
 from kvgraft.format.receipt import parse_receipt
+from kvgraft.format.signature import read_signing_key
 from kvgraft.store import open_store
 from kvgraft.store.base import scan_manifests
+from kvgraft.store.trust import sign_graft
 
 if TYPE_CHECKING:
     from kvgraft.engine.verify import GraftVerification, ReceiptVerification
@@ -59,6 +64,7 @@ def build(
         ),
     ] = False,
     allow_env_mismatch: EnvOpt = False,
+    threads: ThreadsOpt = None,
     shared_cache: SharedCacheOpt = None,
     ray: Annotated[
         bool, typer.Option("--ray", help="Build the texts on Ray actors, one model each (same grafts as without).")
@@ -66,14 +72,19 @@ def build(
     ray_address: RayAddressOpt = None,
     workers: WorkersOpt = None,
     cpus_per_worker: CpusPerWorkerOpt = None,
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign-key", help="Sign each graft built with this private key (see `keys new`).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Build grafts from text and put them in the store (leading blocks already stored are reused, not computed)."""
+    signing_key = read_signing_key(sign_key) if sign_key is not None else None  # a bad key fails before the work
     sources = [s for s in (text, file, jsonl) if s is not None]
     if len(sources) != 1:
         raise BadInputError("give exactly one of --text, --file or --jsonl")
     if not ray and (ray_address, workers, cpus_per_worker) != (None, None, None):
         raise BadInputError("--ray-address, --workers and --cpus-per-worker go with --ray")
+    apply_threads(threads)  # a parent made with another count is continued at its own (Engine.build)
     # A parent made under another environment is continued under this one: its blocks are keyed by the other
     # fingerprint, so every block of the new graft is computed here and the new graft is exact under this run.
     engine = load_engine(model, store, chunk_size, dtype, after, allow_env_mismatch, shared_cache=shared_cache)
@@ -99,6 +110,9 @@ def build(
         else:
             for body, metadata in items:
                 results.append(engine.put(body, metadata, on_chunk, after=after, check=check).to_json())
+    if signing_key is not None:
+        for r in results:
+            r["signed_by"] = sign_graft(engine.store, r["id"], signing_key).key_id
     payload: Any = results if jsonl is not None else results[0]
 
     def render() -> None:
@@ -203,13 +217,17 @@ def generate(
     chunk_size: ChunkOpt = None,
     dtype: DtypeOpt = None,
     allow_env_mismatch: EnvOpt = False,
+    threads: ThreadsOpt = None,
     shared_cache: SharedCacheOpt = None,
+    trusted_keys: TrustedKeysOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a continuation, optionally from a restored graft, with a receipt."""
+    apply_threads(threads)  # grafts made with another count run at their own (Engine.generate)
     grafts = list(graft or [])
+    first = grafts[0] if grafts else None
     engine = load_engine(
-        model, store, chunk_size, dtype, grafts[0] if grafts else None, allow_env_mismatch, shared_cache=shared_cache
+        model, store, chunk_size, dtype, first, allow_env_mismatch, shared_cache=shared_cache, trusted_keys=trusted_keys
     )
     params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
     with progress("prefill", not as_json) as on_chunk:
@@ -249,6 +267,8 @@ def verify(
     seed: Annotated[int, typer.Option("--seed", help="With --sample: which random sample.")] = 0,
     model: ModelOpt = None,
     store: StoreOpt = None,
+    threads: ThreadsOpt = None,
+    trusted_keys: TrustedKeysOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Check a graft against a fresh recompute, or a receipt against a fresh rerun. Exit 0 only when exact."""
@@ -256,15 +276,16 @@ def verify(
         raise BadInputError("give a graft id, --receipt FILE or --all (one of them)")
     if sample is not None and not every:
         raise BadInputError("--sample goes with --all")
+    apply_threads(threads)
     if every:
-        _verify_store(model, store, sample, seed, as_json)
+        _verify_store(model, store, sample, seed, as_json, trusted_keys)
         return
     result: GraftVerification | ReceiptVerification
     if receipt is not None:
         result, failed = _rerun_receipt(receipt, model, store, as_json)
     else:
         assert graft is not None
-        result, failed = _recompute_graft(graft, model, store, as_json)
+        result, failed = _recompute_graft(graft, model, store, as_json, trusted_keys)
     if result.environment_differences:
         failed.append("environment (" + "; ".join(result.environment_differences) + ")")
     data = result.to_json()
@@ -303,12 +324,12 @@ def _rerun_receipt(
 
 
 def _recompute_graft(
-    graft: str, model: str | None, store: str | None, as_json: bool
+    graft: str, model: str | None, store: str | None, as_json: bool, trusted_keys: str | None = None
 ) -> tuple[GraftVerification, list[str]]:
     """`verify GRAFT`: the recompute's result and what differs (the first mismatched tensors named)."""
     from kvgraft.engine.verify import verify_graft
 
-    engine = load_engine(model, store, graft=graft)
+    engine = load_engine(model, store, graft=graft, trusted_keys=trusted_keys)
     with progress("recompute", not as_json) as on_chunk:
         result = verify_graft(engine, graft, on_chunk)
     failed = [name for name, ok in (("KV tensors", result.kv_equal), ("logits", result.logits_equal)) if not ok]
@@ -317,11 +338,14 @@ def _recompute_graft(
     return result, failed
 
 
-def _verify_store(model: str | None, store: str | None, sample: int | None, seed: int, as_json: bool) -> None:
-    """`verify --all`: every graft (or a sample), one engine per model, dtype and chunk size."""
+def _verify_store(
+    model: str | None, store: str | None, sample: int | None, seed: int, as_json: bool, trusted_keys: str | None = None
+) -> None:
+    """`verify --all`: every graft (or a sample; under a trust policy, every trusted one), one engine per model,
+    dtype and chunk size."""
     from kvgraft.engine.verify import choose_grafts, verify_grafts
 
-    graft_store = open_store(store, must_exist=True)
+    graft_store = open_trusted_store(store, trusted_keys, must_exist=True)
     chosen = choose_grafts(graft_store.ids(), sample, seed)
     engines: dict[tuple[str, str, int], Engine] = {}
 

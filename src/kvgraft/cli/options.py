@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from kvgraft.cli.engines import DEFAULT_DTYPE, FALLBACK_MODEL
+from kvgraft.core import reproducibility
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE
 
 ModelOpt = Annotated[
@@ -53,3 +54,39 @@ WorkersOpt = Annotated[int | None, typer.Option("--workers", min=1, help="With -
 CpusPerWorkerOpt = Annotated[
     float | None, typer.Option("--cpus-per-worker", min=0.01, help="With --ray: CPUs per actor (default 1).")
 ]
+TrustedKeysOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--trusted-keys",
+        envvar="KVGRAFT_TRUSTED_KEYS",
+        show_envvar=True,
+        help="Use only grafts signed by a key in this directory (its *.pub files); others are refused.",
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        envvar=reproducibility.THREADS_ENV,
+        show_envvar=True,
+        min=1,
+        max=reproducibility.MAX_THREADS,
+        help="torch threads (default: $OMP_NUM_THREADS, else half the available CPUs, at most "
+        f"{reproducibility.MAX_DEFAULT_THREADS}: {reproducibility.default_threads()} here). A graft made with "
+        "another count is used at its own count.",
+    ),
+]
+
+
+def apply_threads(threads: int | None) -> int:
+    """Pin torch to a command's thread count, before its model loads or computes.
+
+    Args:
+        threads: `--threads` (typer already read $KVGRAFT_THREADS into it), or None for kvgraft's default.
+
+    Returns:
+        The count in force.
+    """
+    count = reproducibility.requested_threads(threads)
+    reproducibility.set_threads(count)
+    return count

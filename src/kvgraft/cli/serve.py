@@ -7,7 +7,17 @@ from typing import Annotated
 import typer
 
 from kvgraft.cli.engines import load_engine
-from kvgraft.cli.options import ChunkOpt, DtypeOpt, EnvOpt, ModelOpt, SharedCacheOpt, StoreOpt
+from kvgraft.cli.options import (
+    ChunkOpt,
+    DtypeOpt,
+    EnvOpt,
+    ModelOpt,
+    SharedCacheOpt,
+    StoreOpt,
+    ThreadsOpt,
+    TrustedKeysOpt,
+    apply_threads,
+)
 from kvgraft.server.config import API_KEY_ENV, ServerConfig
 
 # The limits' defaults are ServerConfig's own, so that the flags and the server cannot disagree.
@@ -51,6 +61,8 @@ def serve(
     chunk_size: ChunkOpt = None,
     dtype: DtypeOpt = None,
     allow_env_mismatch: EnvOpt = False,
+    trusted_keys: TrustedKeysOpt = None,
+    threads: ThreadsOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, grafting per request (see the README's Server section)."""
@@ -68,6 +80,7 @@ def serve(
         max_body_bytes=max_body_bytes,
     )
     config.check()  # before the model loads: a bad flag fails at once
+    apply_threads(threads)  # the model worker pins this count; a graft made with another runs at its own
     retriever = make_retriever(dense_model)
     engine = load_engine(
         model,
@@ -77,5 +90,6 @@ def serve(
         allow_env_mismatch=allow_env_mismatch,
         cache_bytes=cache_bytes,
         shared_cache=shared_cache,
+        trusted_keys=trusted_keys,
     )
     uvicorn.run(create_app(engine, config, retriever), host=host, port=port, log_level=log_level)

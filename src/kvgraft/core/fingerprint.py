@@ -8,6 +8,9 @@ A fingerprint has three parts:
   device. These change
   the last bits of floating-point results; a difference is refused unless the caller overrides it, and then
   the result is reported as not exact.
+
+The thread count is the one environment entry any machine can match: a run that uses a graft switches torch to
+the graft's count (`recorded_threads` finds it; the engine switches) and then compares fingerprints as usual.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +33,8 @@ from kvgraft.core.hashing import Sha256Hex, sha256_json, sha256_tensor
 # Keys of config.to_dict() that name or describe a checkout rather than define the computation.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "_commit_hash"}
 MODEL_KEYS = ("weights_sha256", "config_sha256", "tokenizer_sha256", "dtype", "attn_implementation")
+THREADS_KEY = "threads"
+"""The environment entry holding torch's thread count."""
 _weights_cache: weakref.WeakKeyDictionary[PreTrainedModel, Sha256Hex] = weakref.WeakKeyDictionary()
 
 
@@ -116,7 +122,7 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
         "mkl": _library_version(r"Math Kernel Library Version ([^\n]+?) for"),
         "onednn": _library_version(r"MKL-DNN (v[0-9.]+)"),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
+        THREADS_KEY: torch.get_num_threads(),
         **reproducibility.settings(),
         "device": device.type,
     }
@@ -133,6 +139,50 @@ def compute_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
         schedule={"chunk_size": chunk_size},
         environment=numeric_environment(model.device),
     )
+
+
+def with_threads(fingerprint: Fingerprint, threads: int) -> Fingerprint:
+    """The same fingerprint with another thread count (what this run computes once switched to it).
+
+    Args:
+        fingerprint: a fingerprint.
+        threads: the thread count to record.
+
+    Returns:
+        A copy whose `environment["threads"]` is `threads`.
+    """
+    return replace(fingerprint, environment={**fingerprint.environment, THREADS_KEY: threads})
+
+
+def recorded_threads(fingerprints: Mapping[str, Fingerprint], allow_environment_mismatch: bool = False) -> int | None:
+    """The thread count a run must use to continue these grafts exactly.
+
+    Args:
+        fingerprints: each graft's fingerprint by the name the user knows it by (its id), in context order.
+        allow_environment_mismatch: with grafts of different counts, take the last graft's count instead of
+            refusing (the others then differ from the run, and the check reports them as not exact).
+
+    Returns:
+        The count the grafts record; None when there is no graft, or none records a usable count (the check
+        then compares the environments as they are).
+
+    Raises:
+        EnvironmentMismatchError: the grafts record different thread counts.
+    """
+    counts = {
+        name: value
+        for name, fp in fingerprints.items()
+        if isinstance(value := fp.environment.get(THREADS_KEY), int) and not isinstance(value, bool) and value > 0
+    }
+    if not counts:
+        return None
+    if len(set(counts.values())) > 1 and not allow_environment_mismatch:
+        listed = ", ".join(f"{name} {count}" for name, count in counts.items())
+        raise EnvironmentMismatchError(
+            f"the grafts were made with different thread counts ({listed}); one run computes with one count, so "
+            "they cannot be used together exactly"
+        )
+    return list(counts.values())[-1]
 
 
 def _differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -9,7 +9,13 @@ effect under CPU load; the README's exactness section has the figures.
 `configure()` sets, unless the user set them already:
 - `MKL_CBWR` (CNR mode) and `MKL_DYNAMIC`, `OMP_DYNAMIC` in the environment: MKL and OpenMP read them once, when
   first used, so this must happen before torch computes anything; importing kvgraft does it;
-- the thread count, pinned through `torch.set_num_threads` (which also turns MKL's dynamic threading off).
+- the thread count, pinned through `torch.set_num_threads` (which also turns MKL's dynamic threading off):
+  $KVGRAFT_THREADS, else $OMP_NUM_THREADS, else `default_threads()` (half the available CPUs, at most 4).
+
+The thread count is part of the fingerprint (fp32 attention sums in another order on another count), but any
+machine can run any count: `threads(n)` runs a block at a graft's count, so that a graft made elsewhere is used
+exactly instead of being refused. OpenMP and MKL keep the count per OS thread; torch hands its last count to OS
+threads started later, and a thread that computes (the server's model worker) pins its own.
 
 `settings()` reads back what the libraries actually use. The fingerprint's `environment` records it, so a graft
 built under other settings (or in a process where MKL started before kvgraft could set them) is refused like any
@@ -18,11 +24,20 @@ other environment difference.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from kvgraft.core.errors import BadInputError
+
+THREADS_ENV = "KVGRAFT_THREADS"
+"""The thread count of every kvgraft run in this process, unless a command's `--threads` says otherwise."""
+MAX_DEFAULT_THREADS = 4
+MAX_THREADS = 1024
 
 # CNR mode for MKL: AUTO picks the best code path for this CPU and keeps to it; STRICT also makes the supported
 # routines (the GEMMs among them) independent of the thread count.
@@ -53,10 +68,125 @@ def configure() -> None:
     are recorded in the fingerprint like any other, so grafts made under different ones are refused."""
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    # Pins MKL's and OpenMP's thread count and turns MKL's dynamic threading off. A malformed $KVGRAFT_THREADS
+    # is not an import error: the CLI reports it when a command resolves its thread count.
+    try:
+        count = requested_threads()
+    except BadInputError:
+        count = default_threads()
+    set_threads(count)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: what a container or `taskset` leaves it), not the
+    machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(cpus: int | None = None) -> int:
+    """kvgraft's default thread count: half the available CPUs, at least 1, at most `MAX_DEFAULT_THREADS`.
+
+    Why not torch's own default (every core): torch's OpenMP threads spin at each barrier, so a parallel region
+    waits for whichever of its threads the OS has descheduled. With a thread per core, any other busy process
+    (a tokenizer, the server's event loop, another job) costs far more than its share; benchmarks/threads.py
+    measures it. Half the CPUs leaves room for the rest of the machine, and the cap keeps the count, which is
+    part of a graft's fingerprint, the same on every machine with 2 * MAX_DEFAULT_THREADS CPUs or more.
+
+    Args:
+        cpus: the CPUs to count; None for `available_cpus()`.
+
+    Returns:
+        The thread count.
+    """
+    cpus = available_cpus() if cpus is None else cpus
+    return max(1, min(MAX_DEFAULT_THREADS, cpus // 2))
+
+
+def parse_threads(value: str | int, source: str) -> int:
+    """A thread count from an option or the environment.
+
+    Args:
+        value: the text (or number) given.
+        source: where it came from, for the error ("--threads", "$KVGRAFT_THREADS").
+
+    Returns:
+        The count.
+
+    Raises:
+        BadInputError: not a positive integer.
+    """
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1 or count > MAX_THREADS:
+        raise BadInputError(f"{source} must be an integer from 1 to {MAX_THREADS}, got {value!r}")
+    return count
+
+
+def requested_threads(threads: int | None = None) -> int:
+    """The thread count a run uses: `threads` if given, else $KVGRAFT_THREADS, else $OMP_NUM_THREADS (torch reads
+    it too: a user who set it meant it), else `default_threads()`.
+
+    Args:
+        threads: an explicit count (`--threads`), or None.
+
+    Returns:
+        The count.
+
+    Raises:
+        BadInputError: `threads` or $KVGRAFT_THREADS is not a positive integer.
+    """
+    if threads is not None:
+        return parse_threads(threads, "the thread count")
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        return parse_threads(value, f"${THREADS_ENV}")
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        import torch
+
+        return int(torch.get_num_threads())
+    return default_threads()
+
+
+def current_threads() -> int:
+    """torch's thread count in the calling OS thread (OpenMP keeps it per thread)."""
     import torch
 
-    # Pins MKL's and OpenMP's thread count to torch's and turns MKL's dynamic threading off.
-    torch.set_num_threads(torch.get_num_threads())
+    return int(torch.get_num_threads())
+
+
+def set_threads(count: int) -> None:
+    """Pin torch, OpenMP and MKL to `count` threads in the calling OS thread; OS threads started later inherit it.
+
+    Args:
+        count: the thread count, at least 1.
+    """
+    import torch
+
+    # torch initialises an OS thread's count from its last process-wide count on that thread's first use, which
+    # would undo a count set before it (if another thread set another since): have that first use happen now.
+    torch.get_num_threads()
+    # Also at the same count: set_num_threads turns MKL's dynamic threading off, and is cheap when nothing changes.
+    torch.set_num_threads(count)
+
+
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """Run the body with `count` threads, then go back to the calling thread's previous count.
+
+    Args:
+        count: the thread count for the body.
+    """
+    previous = current_threads()
+    set_threads(count)
+    try:
+        yield
+    finally:
+        set_threads(previous)
 
 
 def settings() -> dict[str, Any]:

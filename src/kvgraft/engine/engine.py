@@ -6,6 +6,8 @@ This is the Python API the CLI and the server are thin layers over; nothing here
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvgraft.core import reproducibility
 from kvgraft.core.cache_state import LayerKind, record_kv, restore
 from kvgraft.core.decode import Generation, TokenCallback, decode
 from kvgraft.core.errors import (
@@ -24,7 +27,13 @@ from kvgraft.core.errors import (
     NotAChainError,
     ReproducibilityError,
 )
-from kvgraft.core.fingerprint import Fingerprint, check_fingerprint, compute_fingerprint
+from kvgraft.core.fingerprint import (
+    Fingerprint,
+    check_fingerprint,
+    compute_fingerprint,
+    recorded_threads,
+    with_threads,
+)
 from kvgraft.core.hashing import BlockKey, Digest, GraftId, sha256_bytes, sha256_tensor
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE, ChunkCallback, ChunkSchedule, forward_tokens
@@ -222,8 +231,54 @@ class Engine:
         return cls(model, tokenizer, spec, chunk_size, graft_store, allow_environment_mismatch)
 
     @cached_property
-    def fingerprint(self) -> Fingerprint:
+    def _loaded_fingerprint(self) -> Fingerprint:
         return compute_fingerprint(self.model, self.tokenizer, self.schedule.chunk_size)
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        """The fingerprint of what this engine computes now: at torch's thread count in the calling OS thread."""
+        return with_threads(self._loaded_fingerprint, reproducibility.current_threads())
+
+    # --- thread counts ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def graft_threads(self, fingerprints: Mapping[str, Fingerprint]) -> Iterator[None]:
+        """Run the body at the thread count the grafts were made with, then go back to this thread's count.
+
+        Any machine can run any count, so a graft made where another count was in use is continued exactly
+        (bit for bit what a fresh run at that count gives) instead of being refused; the receipts and grafts
+        the body makes record that count.
+
+        Args:
+            fingerprints: the grafts' fingerprints by id, in context order (empty: nothing changes).
+
+        Raises:
+            EnvironmentMismatchError: the grafts were made with different counts (unless the engine allows
+                environment differences: then the last graft's count).
+        """
+        count = recorded_threads(fingerprints, self.allow_environment_mismatch)
+        if count is None:
+            yield
+            return
+        with reproducibility.threads(count):
+            yield
+
+    def check_graft(self, fingerprint: Fingerprint) -> list[str]:
+        """Check that this engine can use a graft, once switched to the graft's thread count.
+
+        Args:
+            fingerprint: the graft's fingerprint.
+
+        Returns:
+            The environment differences allowed (empty: exact).
+
+        Raises:
+            FingerprintMismatchError: another model, tokenizer or schedule.
+            EnvironmentMismatchError: another numeric environment, unless the engine allows it.
+        """
+        count = recorded_threads({"graft": fingerprint})
+        current = self.fingerprint if count is None else with_threads(self.fingerprint, count)
+        return check_fingerprint(fingerprint, current, self.allow_environment_mismatch)
 
     # --- tokens -------------------------------------------------------------------------------------------
 
@@ -267,15 +322,17 @@ class Engine:
         meta = with_default_summary(metadata or {}, text)
         if after is None:
             tokens = self.check_text(text)
-        else:
-            parent = self.store.manifest(after)
+            return self.build_tokens(tokens, sha256_bytes(text.encode()), meta, on_chunk, check)
+        parent = self.store.manifest(after)
+        # At the parent's thread count: the child continues the parent's computation and shares its blocks.
+        with self.graft_threads({parent.id[:12]: parent.fingerprint}):
             check_fingerprint(parent.fingerprint, self.fingerprint, self.allow_environment_mismatch)
             if not text:
                 raise BadInputError("text is empty; a graft after another needs some text of its own")
             tokens = list(parent.tokens) + self.encode_continuation(text)
             self._check_length(len(tokens), "the parent graft plus text")
             meta["after"] = parent.id
-        return self.build_tokens(tokens, sha256_bytes(text.encode()), meta, on_chunk, check)
+            return self.build_tokens(tokens, sha256_bytes(text.encode()), meta, on_chunk, check)
 
     def build_tokens(
         self,
@@ -382,7 +439,8 @@ class Engine:
         except MissingBlockError:
             # Another process removed blocks this build reused (a concurrent rm or gc): compute them all and put again.
             m = built.manifest
-            built = self.build_tokens(list(m.tokens), m.source_sha256, dict(m.metadata), on_chunk, check, False)
+            with self.graft_threads({"build": m.fingerprint}):  # the count the first try used (a parent's)
+                built = self.build_tokens(list(m.tokens), m.source_sha256, dict(m.metadata), on_chunk, check, False)
             graft_id, created = self.store.put(built.manifest, built.tensors, built.blocks)
         return PutResult(
             graft_id,
@@ -400,6 +458,10 @@ class Engine:
     def restore(self, graft_id: str) -> RestoredGraft:
         """Load a graft (every tensor hash checked), check its fingerprint, and restore it into a cache.
 
+        torch is switched to the thread count the graft was made with, in the calling OS thread, and stays there:
+        the cache must be continued at that count to give what a fresh run at it gives. (`generate` switches
+        back when it is done.)
+
         Args:
             graft_id: the graft's id, or a unique prefix of it.
 
@@ -413,7 +475,10 @@ class Engine:
         """
         t0 = time.perf_counter()
         manifest = self.store.manifest(graft_id)
-        env_diff = check_fingerprint(manifest.fingerprint, self.fingerprint, self.allow_environment_mismatch)
+        env_diff = self.check_graft(manifest.fingerprint)
+        count = recorded_threads({manifest.id[:12]: manifest.fingerprint})
+        if count is not None:
+            reproducibility.set_threads(count)
         stored = self.store.get(manifest.id)
         t1 = time.perf_counter()
         manifest = stored.manifest
@@ -505,11 +570,30 @@ class Engine:
             BadInputError: an empty prompt and no graft, nothing to compute, or input plus `max_new_tokens` longer
                 than the model's positions.
             NotAChainError: several grafts that are not one chain, without `approximate`.
+            EnvironmentMismatchError: grafts made with different thread counts (or another numeric environment),
+                unless the engine allows environment differences.
         """
         params = params or SamplingParams()
         started = time.perf_counter()
         ids = ([graft_id] if graft_id is not None else []) + list(graft_ids or [])
-        context = self._prepare_context(prompt, ids, approximate)
+        manifests = [self.store.manifest(i) for i in ids]
+        # The whole run at the grafts' thread count (the receipt records it), then back to this thread's count.
+        with self.graft_threads({m.id[:12]: m.fingerprint for m in manifests}):
+            return self._generate(prompt, manifests, params, started, on_chunk, on_token, keep_logits, approximate)
+
+    def _generate(
+        self,
+        prompt: str,
+        manifests: list[Manifest],
+        params: SamplingParams,
+        started: float,
+        on_chunk: ChunkCallback | None,
+        on_token: TokenCallback | None,
+        keep_logits: bool,
+        approximate: bool,
+    ) -> GenerationResult:
+        """`generate` once the thread count is settled."""
+        context = self._prepare_context(prompt, manifests, approximate)
         self._check_length(len(context.input_ids) + params.max_new_tokens, "input plus max new tokens")
         generation = decode(
             self.model,
@@ -545,11 +629,10 @@ class Engine:
             generation=generation,
         )
 
-    def _prepare_context(self, prompt: str, graft_ids: list[str], approximate: bool) -> PreparedContext:
+    def _prepare_context(self, prompt: str, manifests: list[Manifest], approximate: bool) -> PreparedContext:
         """Pick the context strategy: the bare prompt, one graft or an exact chain, or an approximate composition."""
-        if not graft_ids:
+        if not manifests:
             return self._bare_context(prompt)
-        manifests = [self.store.manifest(i) for i in graft_ids]
         prompt_ids = self.encode_continuation(prompt)
         if len(manifests) == 1 or is_chain(manifests):
             return self._restored_context(manifests, prompt_ids)

@@ -93,6 +93,12 @@ def verify_graft(engine: Engine, graft_id: str, on_chunk: ChunkCallback | None =
         Whether every block and the next-token logits are equal, the blocks that are not, the KL divergence
         and argmax agreement of the logits, and the environment differences.
     """
+    manifest = engine.store.manifest(graft_id)
+    with engine.graft_threads({manifest.id[:12]: manifest.fingerprint}):  # at the count the graft was made with
+        return _verify_graft(engine, manifest.id, on_chunk)
+
+
+def _verify_graft(engine: Engine, graft_id: str, on_chunk: ChunkCallback | None) -> GraftVerification:
     stored = engine.store.get(graft_id)
     manifest = stored.manifest
     env_diff = check_fingerprint(manifest.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
@@ -240,8 +246,9 @@ def verify_receipt(engine: Engine, receipt: Receipt, on_chunk: ChunkCallback | N
         Whether the rerun's output tokens and logits chain equal the receipt's, where they first diverge, and
         the environment differences.
     """
-    env_diff = check_fingerprint(receipt.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
-    rerun = engine.run_fresh(receipt.input_tokens, receipt.sampling, on_chunk=on_chunk)
+    with engine.graft_threads({receipt.id[:12]: receipt.fingerprint}):  # at the count the receipt's run used
+        env_diff = check_fingerprint(receipt.fingerprint, engine.fingerprint, allow_environment_mismatch=True)
+        rerun = engine.run_fresh(receipt.input_tokens, receipt.sampling, on_chunk=on_chunk)
     return ReceiptVerification(
         receipt_id=receipt.id,
         tokens_equal=rerun.output_tokens == receipt.output_tokens,

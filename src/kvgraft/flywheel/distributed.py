@@ -3,9 +3,11 @@
 A `WorkerPool` starts (or joins) a Ray cluster, starts `workers` actors that each load the same model and open
 the same store, and hands out one problem (or one text) at a time to whichever actor is free. The results are
 the single-process results, bit for bit, because:
-- every actor loads the same model spec, dtype and chunk size, and pins torch's thread count to the driver's:
-  the thread count is part of the fingerprint (fp32 decode differs between 1 and 2 threads), and Ray would
-  otherwise start each actor with as many threads as CPUs it reserved;
+- every actor loads the same model spec, dtype and chunk size, and pins torch's thread count to the driver's
+  (`--threads`, $KVGRAFT_THREADS or kvgraft's default, as the driver resolved it): the thread count is part of
+  the fingerprint (fp32 decode differs between 1 and 2 threads), and Ray would otherwise start each actor with
+  as many threads as CPUs it reserved. The count goes in the actor's $KVGRAFT_THREADS, so `import kvgraft`
+  pins it before anything computes, and every call pins it again on the OS thread that runs it;
 - every actor gets the driver's reproducibility settings (MKL's CNR mode, dynamic threading) in its environment;
 - before any work the driver compares each actor's fingerprint with its own and refuses a difference, so an
   actor on another CPU or library version cannot store grafts under other ids;
@@ -28,8 +30,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from kvgraft.core import reproducibility
 from kvgraft.core.errors import BadInputError, KvgraftError
@@ -128,7 +128,7 @@ class EngineSpec:
             store=resolve_store(store),
             shared_cache=shared_cache,
             allow_env_mismatch=allow_env_mismatch,
-            threads=torch.get_num_threads(),
+            threads=reproducibility.current_threads(),
         )
 
 
@@ -153,7 +153,8 @@ class Worker:
     the driver re-raises them as they are (Ray would wrap them in its own exception and traceback)."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        torch.set_num_threads(spec.threads)  # before the model computes anything: part of the fingerprint
+        self.threads = spec.threads
+        reproducibility.set_threads(spec.threads)  # before the model computes anything: part of the fingerprint
         self.engine: Engine | None = None
         self.failure: KvgraftError | None = None
         try:
@@ -169,6 +170,8 @@ class Worker:
             self.failure = exc
 
     def _engine(self) -> Engine:
+        # OpenMP keeps the count per OS thread, and Ray need not run every call on the thread that ran __init__.
+        reproducibility.set_threads(self.threads)
         if self.engine is None:
             raise self.failure or ClusterError("the worker has no engine")
         return self.engine
@@ -325,6 +328,7 @@ class WorkerPool:
         with ray_session(settings) as ray:
             _check_capacity(ray, settings)
             env = {name: os.environ[name] for name in reproducibility.ENVIRONMENT if name in os.environ}
+            env[reproducibility.THREADS_ENV] = str(spec.threads)
             remote = ray.remote(Worker).options(
                 num_cpus=settings.cpus_per_worker,
                 max_restarts=MAX_RESTARTS,

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgraft.core.errors import KvgraftError
-from kvgraft.core.fingerprint import check_fingerprint
 from kvgraft.engine.engine import Engine
 from kvgraft.format.manifest import Manifest
 from kvgraft.library.library import Library, jaccard
@@ -179,7 +178,7 @@ def plan_grafts(
         else:
             try:
                 manifest = engine.store.manifest(hit.graft_id)
-                check_fingerprint(manifest.fingerprint, engine.fingerprint, engine.allow_environment_mismatch)
+                engine.check_graft(manifest.fingerprint)
             except KvgraftError as exc:
                 reason = f"not usable by this model: {type(exc).__name__}"
             else:

@@ -4,6 +4,11 @@ A torch model and its caches are not safe to run from several threads at once, a
 nothing from it, so every job that touches the engine runs here, one at a time, in arrival order. The queue is
 bounded: a full queue refuses at once (the caller answers 429) instead of letting latency grow without limit.
 Results cross back to the event loop with `call_soon_threadsafe`, in the order the worker produced them.
+
+OpenMP and MKL keep their thread count per OS thread, so the worker pins its own before the first job: the count
+of the thread that made it (the command's `--threads`, $KVGRAFT_THREADS or kvgraft's default), whatever torch
+would hand a new thread. A job that uses a graft made with another count switches for that job only
+(`Engine.generate`), and the worker is back at its own count for the next.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from kvgraft.core import reproducibility
 from kvgraft.engine.engine import Engine
 
 T = TypeVar("T")
@@ -61,8 +67,23 @@ class _Job:
 class ModelWorker:
     """The thread that runs every job touching the engine, one at a time, in arrival order."""
 
-    def __init__(self, engine: Engine, max_queue: int, on_depth: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue: int,
+        on_depth: Callable[[int], None] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """A worker not yet started (`start` starts its thread).
+
+        Args:
+            engine: the engine every job gets.
+            max_queue: jobs that may wait; more are refused.
+            on_depth: called with the queue's depth whenever it changes.
+            threads: torch's thread count on the worker; None for the calling thread's.
+        """
         self.engine = engine
+        self.threads = reproducibility.current_threads() if threads is None else threads
         self.max_queue = max_queue
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
         self._on_depth = on_depth
@@ -152,6 +173,7 @@ class ModelWorker:
             self._on_depth(self._queue.qsize())
 
     def _run(self) -> None:
+        reproducibility.set_threads(self.threads)  # before any job computes: part of every receipt's fingerprint
         while True:
             job = self._queue.get()
             self._report_depth()
