@@ -26,6 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the fault-injection suite's long campaign (tests/faults/) instead of its CI-sized form",
     )
 
+
 TEST_CHUNK = 16
 TEXT = (
     "Grafts keep the state of a model after it has read a text, so that the text need not be read again. "

@@ -183,7 +183,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """
     if params.temperature <= 0 or generator is None:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    scaled = logits.double() / params.temperature
+    if not torch.isfinite(scaled.max()):
+        # A temperature so small (1e-310) that logits / T overflows: sampling at it is its limit, the argmax. (Masked
+        # -inf logits alone leave the maximum finite, so they keep the ordinary path.)
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p

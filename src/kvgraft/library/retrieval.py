@@ -62,11 +62,12 @@ class BM25Retriever:
         self._keys = [key for key, _ in docs]
         self._bm25 = None
         if docs:
-            self._bm25 = bm25s.BM25()
             corpus = bm25s.tokenize(
                 [text for _, text in docs], stopwords=None, token_pattern=TOKEN_PATTERN, show_progress=False
             )
-            self._bm25.index(corpus, show_progress=False)
+            if corpus.vocab:  # bm25s cannot index a corpus without a single word; nothing could match it anyway
+                self._bm25 = bm25s.BM25()
+                self._bm25.index(corpus, show_progress=False)
 
     def search(self, query: str, k: int) -> list[tuple[str, float]]:
         k = min(k, len(self._keys))

@@ -16,12 +16,15 @@ from fastapi import FastAPI
 from kvgraft.core.version import __version__
 from kvgraft.engine.engine import Engine
 from kvgraft.library.retrieval import Retriever
+from kvgraft.server import openapi
 from kvgraft.server.config import ServerConfig
 from kvgraft.server.errors import install_handlers
 from kvgraft.server.metrics import RequestGuard
 from kvgraft.server.routes import ROUTERS
 from kvgraft.server.routes.deps import attach, state_of
 from kvgraft.server.state import ServerState
+
+OPENAPI_URL = "/openapi.json"
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None, retriever: Retriever | None = None) -> FastAPI:
@@ -41,14 +44,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None, retriever: Re
     config = config or ServerConfig()
     config.check()
     state = ServerState(engine, config, retriever)
+    # The document is served (clients and fuzzers need it, and it is true: `openapi.document`); no docs UI.
     app = FastAPI(
-        title="kvgraft", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="kvgraft", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=OPENAPI_URL
     )
     attach(app, state)
     install_handlers(app, state.redact)
     app.add_middleware(RequestGuard, metrics=state.metrics)
     for router in ROUTERS:
         app.include_router(router)
+    openapi.install(app, config, state.model_id)
     return app
 
 

@@ -8,12 +8,56 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from kvgraft.library.index import IndexEntry
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 SEED_MAX = 2**63 - 1
+GRAFT_ID_PATTERN = r"^[0-9a-fA-F]{1,64}$"
+"""A graft id or id prefix as a path parameter: hex digits only, so no id can name a path outside the store."""
+RECEIPT_ID_PATTERN = r"^[0-9a-f]{64}$"
+
+
+def only(schema: dict[str, Any]) -> Any:
+    """A field's JSON schema replaced by `schema`: the values the server really accepts, where the type says more.
+
+    The server refuses some typed values after parsing (`n` other than 1, a penalty other than 0); the OpenAPI
+    document must not call them valid, or clients and fuzzers would send them expecting success.
+
+    Args:
+        schema: the JSON schema of the accepted values.
+
+    Returns:
+        The `json_schema_extra` of the field.
+    """
+
+    def replace(field_schema: dict[str, Any]) -> None:
+        default = field_schema.get("default")
+        has_default = "default" in field_schema
+        field_schema.clear()
+        field_schema.update(schema)
+        if has_default:
+            field_schema["default"] = default
+
+    return replace
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 8.0 is the integer 8 (as JSON Schema's "integer" says), 8.5 is no integer."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+"""An integer field of a request: strict (a string or a bool is refused), but 8.0 is 8."""
+# Constraints before the validator, so that the JSON schema shows them as minimum/maximum.
+TokenCount = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX), BeforeValidator(_integral)]
+
+_ZERO_OR_NULL = {"enum": [0, None]}
+_NULL = {"type": "null"}
 
 
 class _Request(BaseModel):
@@ -45,14 +89,16 @@ class _GenerationRequest(_Request):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
+    seed: Seed | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: JsonInt = Field(default=1, json_schema_extra=only({"type": "integer", "enum": [1]}))
+    presence_penalty: float | None = Field(default=None, json_schema_extra=only(_ZERO_OR_NULL))
+    frequency_penalty: float | None = Field(default=None, json_schema_extra=only(_ZERO_OR_NULL))
+    logit_bias: dict[str, float] | None = Field(
+        default=None, json_schema_extra=only({"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]})
+    )
     user: str | None = None
     kvgraft: KvgraftOptions | None = None
 
@@ -74,12 +120,27 @@ class _GenerationRequest(_Request):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
-    max_tokens: int | None = Field(default=None, ge=1)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    # The schema says non-empty: an empty prompt is refused (400) unless `kvgraft.grafts` names a graft to continue.
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
+        description="The text to continue, one string or a list of one. It must be non-empty unless "
+        "kvgraft.grafts names grafts to continue, and its tokens plus max_tokens must fit the model's positions "
+        "(else 400).",
+        json_schema_extra=only(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                ]
+            }
+        ),
+    )
+    max_tokens: TokenCount | None = None
+    echo: bool = Field(default=False, json_schema_extra=only({"type": "boolean", "enum": [False]}))
+    logprobs: JsonInt | None = Field(default=None, json_schema_extra=only(_NULL))
+    best_of: JsonInt | None = Field(default=None, json_schema_extra=only({"enum": [1, None]}))
+    suffix: str | None = Field(
+        default=None, json_schema_extra=only({"anyOf": [{"type": "string", "maxLength": 0}, _NULL]})
+    )
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -123,11 +184,20 @@ class ResponseFormat(_Request):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    # Both token budgets at once are refused (400): the schema says so, for clients and fuzzers.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "required": ["max_tokens", "max_completion_tokens"],
+                "properties": {"max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}},
+            }
+        }
+    )
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = Field(default=None, json_schema_extra=only({"enum": [False, None]}))
+    top_logprobs: JsonInt | None = Field(default=None, json_schema_extra=only(_NULL))
     response_format: ResponseFormat | None = None
 
     def unsupported(self) -> list[str]:
@@ -140,7 +210,11 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class GraftCreateRequest(_Request):
-    text: str
+    text: str = Field(
+        json_schema_extra=only({"type": "string", "pattern": r"\S"}),
+        description="The text to build a graft of: not blank, and its tokens must fit the model's positions "
+        "(else 400).",
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free JSON kept in the manifest; a `summary` or `title` is what retrieval finds the graft by."""
     after: NonEmpty | None = None
@@ -290,6 +364,48 @@ class GraftList(BaseModel):
     object: Literal["list"] = "list"
     data: list[GraftSummary]
     has_more: bool
+
+
+class GraftDeleted(BaseModel):
+    """The reply of `DELETE /v1/grafts/{id}`."""
+
+    id: str
+    object: Literal["graft.deleted"] = "graft.deleted"
+    deleted: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """`GET /health`: "ok" (200) while the model worker runs, "unavailable" (503) once it stopped."""
+
+    status: Literal["ok", "unavailable"]
+    model: str
+    queue_depth: int
+    max_queue: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error reply: `{"error": {"message", "type", "param", "code"}}`, as OpenAI's."""
+
+    error: ErrorDetail
 
 
 def _str_or_none(value: object) -> str | None:

@@ -18,6 +18,7 @@ from kvgraft.server.generation import (
     token_budget,
     usage,
 )
+from kvgraft.server.openapi import errors, json_body
 from kvgraft.server.routes.deps import State, reads
 from kvgraft.server.schemas import (
     AssistantMessage,
@@ -33,8 +34,24 @@ from kvgraft.server.streaming import stream
 
 router = APIRouter(dependencies=[Depends(reads)])
 
+_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+    "description": "one server-sent event: a chunk's JSON, an error's JSON, or the final `[DONE]`",
+}
+_STREAM = {"text/event-stream": {"schema": _EVENT}}
+_GENERATION_ERRORS = errors(400, 404, 413, 429, 500, 503)
 
-@router.post("/v1/completions")
+
+@router.post(
+    "/v1/completions",
+    responses={
+        200: {"model": CompletionResponse, "content": _STREAM, "description": "JSON, or events with `stream`"},
+        **_GENERATION_ERRORS,
+    },
+    openapi_extra=json_body(CompletionRequest),
+)
 async def completions(request: Request, state: State) -> Response:
     """Continue a prompt: one JSON reply, or server-sent events with `stream`."""
     config = state.config
@@ -58,7 +75,14 @@ async def completions(request: Request, state: State) -> Response:
     )
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    responses={
+        200: {"model": ChatCompletionResponse, "content": _STREAM, "description": "JSON, or events with `stream`"},
+        **_GENERATION_ERRORS,
+    },
+    openapi_extra=json_body(ChatCompletionRequest),
+)
 async def chat_completions(request: Request, state: State) -> Response:
     """Answer a conversation: one JSON reply, or server-sent events with `stream`."""
     config = state.config

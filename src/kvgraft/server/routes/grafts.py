@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query, Request
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse
 
 from kvgraft.core.errors import KvgraftError, NotFoundError
@@ -10,14 +13,53 @@ from kvgraft.engine.engine import Engine
 from kvgraft.library.index import IndexEntry, load_index
 from kvgraft.server.body import read_json
 from kvgraft.server.generation import json_reply
+from kvgraft.server.openapi import auth, errors, json_body
 from kvgraft.server.routes.deps import State, reads, writes
-from kvgraft.server.schemas import GraftCreated, GraftCreateRequest, GraftDetail, GraftList, GraftSummary
+from kvgraft.server.schemas import (
+    GRAFT_ID_PATTERN,
+    GraftCreated,
+    GraftCreateRequest,
+    GraftDeleted,
+    GraftDetail,
+    GraftList,
+    GraftSummary,
+)
 from kvgraft.store import GraftStore
 
 router = APIRouter()
 
+GraftIdParam = Annotated[
+    str,
+    Path(
+        description="A graft id or a unique prefix of one (hex digits)", json_schema_extra={"pattern": GRAFT_ID_PATTERN}
+    ),
+]
 
-@router.get("/v1/grafts", dependencies=[Depends(reads)])
+
+def checked_id(graft_id: str) -> str:
+    """A graft id from a path, refused before the store sees it unless it is hex digits (no `..`, no `/`, no
+    whitespace the store would strip).
+
+    Args:
+        graft_id: the path parameter.
+
+    Returns:
+        It, unchanged.
+
+    Raises:
+        NotFoundError: it is not 1 to 64 hex digits.
+    """
+    if not re.fullmatch(GRAFT_ID_PATTERN, graft_id):
+        raise NotFoundError(f"{graft_id[:80]!r} is not a graft id (hex digits expected)")
+    return graft_id
+
+
+@router.get(
+    "/v1/grafts",
+    dependencies=[Depends(reads)],
+    responses={200: {"model": GraftList}, **errors(400, 500, 503)},
+    openapi_extra=auth("read"),
+)
 def list_grafts(
     state: State, limit: int = Query(100, ge=1, le=1000), after: str | None = Query(None, max_length=64)
 ) -> JSONResponse:
@@ -28,19 +70,34 @@ def list_grafts(
     return json_reply(GraftList(data=rows[:limit], has_more=len(rows) > limit))
 
 
-@router.get("/v1/grafts/{graft_id}", dependencies=[Depends(reads)])
-def get_graft(graft_id: str, state: State) -> JSONResponse:
+@router.get(
+    "/v1/grafts/{graft_id}",
+    dependencies=[Depends(reads)],
+    responses={200: {"model": GraftDetail}, **errors(404, 500, 503)},
+    openapi_extra=auth("read"),
+)
+def get_graft(graft_id: GraftIdParam, state: State) -> JSONResponse:
     """One graft (by id or unique prefix) with its manifest."""
     store = state.engine.store
     try:
-        manifest = store.manifest(graft_id)
+        manifest = store.manifest(checked_id(graft_id))
         size = store.size_bytes(manifest.id)
     except KvgraftError as exc:
         raise state.api_error(exc, "graft_id") from None
     return json_reply(GraftDetail.of(IndexEntry.of(manifest, size), manifest=manifest.to_json()))
 
 
-@router.post("/v1/grafts", dependencies=[Depends(writes)])
+@router.post(
+    "/v1/grafts",
+    dependencies=[Depends(writes)],
+    status_code=201,
+    responses={
+        201: {"model": GraftCreated, "description": "stored now"},
+        200: {"model": GraftCreated, "description": "stored already"},
+        **errors(400, 404, 413, 429, 500, 503),
+    },
+    openapi_extra=json_body(GraftCreateRequest, auth="write"),
+)
 async def create_graft(request: Request, state: State) -> JSONResponse:
     """Build and store a graft of a text (201), or find it stored already (200)."""
     body = await read_json(request, GraftCreateRequest, state.config.max_body_bytes)
@@ -56,13 +113,18 @@ async def create_graft(request: Request, state: State) -> JSONResponse:
     return json_reply(created, status=201 if created.created else 200)
 
 
-@router.delete("/v1/grafts/{graft_id}", dependencies=[Depends(writes)])
-async def delete_graft(graft_id: str, state: State) -> JSONResponse:
+@router.delete(
+    "/v1/grafts/{graft_id}",
+    dependencies=[Depends(writes)],
+    responses={200: {"model": GraftDeleted}, **errors(404, 429, 500, 503)},
+    openapi_extra=auth("write"),
+)
+async def delete_graft(graft_id: GraftIdParam, state: State) -> JSONResponse:
     """Delete a graft (by id or unique prefix) and the blocks no other graft names."""
 
     def delete(engine: Engine) -> str:
         try:
-            full = engine.store.resolve(graft_id)
+            full = engine.store.resolve(checked_id(graft_id))
         except NotFoundError as exc:
             raise state.api_error(exc, "graft_id") from None
         engine.store.delete(full)
@@ -70,7 +132,7 @@ async def delete_graft(graft_id: str, state: State) -> JSONResponse:
         return full
 
     full: str = await state.run(delete)
-    return JSONResponse({"id": full, "object": "graft.deleted", "deleted": True})
+    return json_reply(GraftDeleted(id=full, deleted=True))
 
 
 def summaries(store: GraftStore) -> list[GraftSummary]:
