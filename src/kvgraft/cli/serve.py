@@ -78,6 +78,7 @@ def serve(
         max_tokens_limit=max_tokens,
         default_completion_tokens=min(_DEFAULTS.default_completion_tokens, max_tokens),
         max_body_bytes=max_body_bytes,
+        hidden_paths=(str(trusted_keys),) if trusted_keys else (),
     )
     config.check()  # before the model loads: a bad flag fails at once
     apply_threads(threads)  # the model worker pins this count; a graft made with another runs at its own

@@ -31,6 +31,8 @@ class ServerConfig:
     retrieval_candidates: int = 3
     library_refresh_s: float = 5.0
     """How stale the retrieval index of a non-local store may be (a local store's changes show at once)."""
+    hidden_paths: tuple[str, ...] = ()
+    """Paths of the server's own (the trusted keys' directory) that messages to clients show as `<hidden>`."""
 
     def check(self) -> None:
         """Refuse settings the server cannot run with.

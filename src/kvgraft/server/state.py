@@ -43,7 +43,10 @@ class ServerState:
         # An S3 store's endpoint too: an unreachable store's message names it, and it is no client's business.
         endpoints = {os.environ.get(name) for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")} - {None, ""}
         hidden = {location, str(Path(location).resolve()), *(e for e in endpoints if e)}
-        self._redact = sorted(hidden, key=len, reverse=True)
+        self._redact = [(path, "<store>") for path in sorted(hidden, key=len, reverse=True)]
+        own = {p for path in config.hidden_paths for p in (path, str(Path(path).resolve()))}
+        # Longest first, whichever the placeholder: a path inside another is replaced whole.
+        self._redact = sorted([*self._redact, *((p, "<hidden>") for p in own)], key=lambda r: len(r[0]), reverse=True)
 
     def redact(self, message: str) -> str:
         """A message with the store's directory replaced by `<store>`: a client has no business knowing it.
@@ -54,8 +57,8 @@ class ServerState:
         Returns:
             The message a client may see.
         """
-        for path in self._redact:
-            message = message.replace(path, "<store>")
+        for path, placeholder in self._redact:
+            message = message.replace(path, placeholder)
         return message
 
     def api_error(self, exc: BaseException, param: str | None = None) -> ApiError:
