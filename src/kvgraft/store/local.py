@@ -351,17 +351,31 @@ class LocalStore:
     def manifest(self, graft_id: str) -> Manifest:
         full = self.resolve(graft_id)
         path = self._grafts / full / MANIFEST_NAME
-        manifest = parse_manifest(path.read_bytes(), str(path))
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise NotFoundError(f"no graft {graft_id} in store {self.location} (removed meanwhile)") from None
+        manifest = parse_manifest(data, str(path))
         if manifest.id != full:
             raise FormatError(f"graft directory {full} holds graft {manifest.id}")
         return manifest
 
     def get(self, graft_id: str) -> StoredGraft:
         manifest = self.manifest(graft_id)
-        tensors = read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
-        shapes = expected_block_shapes(manifest)
-        blocks = [self.read_block(ref.key, ref, shapes, manifest.dtype)[1] for ref in manifest.blocks]
+        try:
+            tensors = read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
+            shapes = expected_block_shapes(manifest)
+            blocks = [self.read_block(ref.key, ref, shapes, manifest.dtype)[1] for ref in manifest.blocks]
+        except FormatError:
+            self._raise_if_removed(manifest.id)
+            raise
         return StoredGraft(manifest, assemble(blocks) | tensors)
+
+    def _raise_if_removed(self, graft_id: GraftId) -> None:
+        """A file of a graft missing because another process removed the graft meanwhile is no damage: NotFoundError
+        says so. (A graft still listed whose file is missing is damaged, and its FormatError stands.)"""
+        if not (self._grafts / graft_id / MANIFEST_NAME).is_file():
+            raise NotFoundError(f"no graft {graft_id} in store {self.location} (removed meanwhile)") from None
 
     def delete(self, graft_id: str) -> None:
         """Remove a graft, then those of its blocks that no other graft names. A damaged graft's blocks are those its
@@ -454,7 +468,11 @@ class LocalStore:
 
     def own_tensors(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """The graft's tensors file (memory-mapped), checked against `manifest`; its blocks are not read."""
-        return read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
+        try:
+            return read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
+        except FormatError:
+            self._raise_if_removed(manifest.id)
+            raise
 
 
 def _size(path: Path) -> int:
