@@ -4,12 +4,14 @@ Not a conftest.py: a second `conftest` module (tests/ has no __init__.py, so bot
 replaces tests/conftest.py in sys.modules and breaks every later `from conftest import ...`.
 
 What is here: the tiny store every fault test damages (a few grafts on random:llama with shared prefixes, a graft
-built after another, the library index, a receipt), forking a child after the model is loaded, the real CLI in a
+built after another, the library index, a receipt, writers' signatures and the trust policy they are read under),
+forking a child after the model is loaded, the real CLI in a
 subprocess, and the summary table each test prints (and writes as JSON to $KVGRAFT_FAULTS_REPORT when set).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -22,12 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.format import blocks as format_blocks
+from kvgraft.format.signature import GraftSignature, SigningKey, sign
 from kvgraft.library.index import load_index
 from kvgraft.store import LocalStore
+from kvgraft.store.trust import TrustPolicy, sign_graft, signature_name
 
 from conftest import TEST_CHUNK, cached_model
 
@@ -73,6 +79,19 @@ def graft_texts(engine: Engine) -> list[str]:
     return texts
 
 
+def fixed_key(name: str) -> SigningKey:
+    """A fixed ed25519 key per name (the SHA-256 of the name as its seed): the signature files, like every other
+    file of the tiny store, are the same bytes on every run, so a trial's seed replays it exactly."""
+    return SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"kvgraft faults {name}".encode()).digest()))
+
+
+def write_public_key(directory: Path, name: str, key: SigningKey) -> None:
+    """`directory/NAME.pub`, as `kvgraft keys new` writes it (PEM SubjectPublicKeyInfo)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pem = key.public.key.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    (directory / f"{name}.pub").write_bytes(pem)
+
+
 @dataclass
 class TinyStore:
     """The store the corruption trials damage, and what it holds."""
@@ -84,16 +103,50 @@ class TinyStore:
     """name -> graft id: "a".."d" share PREFIX, "after" continues "a" (build --after), "other" shares nothing"""
     receipt_name: str
     """the sidecar name of the receipt of a generation from graft "a": receipts/<receipt id>.json"""
+    keys_dir: Path
+    """the trusted keys' directory (alice.pub only), what `--trusted-keys` names"""
+    policy: TrustPolicy
+    """the policy of `keys_dir`: "a".."d" are trusted (alice signed them); "after" and "other" are refused"""
+    signatures: dict[str, str]
+    """sidecar name -> the name of the graft it is about (every signature file of the store)"""
+
+
+def sign_tiny_store(store: LocalStore, grafts: dict[str, str]) -> dict[str, str]:
+    """Sign the tiny store's grafts: alice (trusted) signs "a".."d"; mallory (not trusted) signs "a" under her own
+    name, which no reader under the policy reads, and re-signs "after" in a file named for alice's key; "other" has
+    a forgery in a file named for alice's key (alice's signature of "a", its graft_id field rewritten).
+
+    A single-byte change cannot turn either refused file into a valid signature of its graft: the forged signature
+    differs from alice's signature of "other" in most of its 64 bytes, and mallory's key differs from alice's in
+    its public key and key id (the key id must be its public key's hash).
+
+    Returns:
+        Sidecar name -> the graft it is about, by name.
+    """
+    alice, mallory = fixed_key("alice"), fixed_key("mallory")
+    names: dict[str, str] = {}
+    for name in "abcd":
+        names[signature_name(grafts[name], sign_graft(store, grafts[name], alice).key_id)] = name
+    names[signature_name(grafts["a"], sign_graft(store, grafts["a"], mallory).key_id)] = "a"
+    resigned = sign(grafts["after"], mallory)  # type: ignore[arg-type]
+    names[signature_name(grafts["after"], alice.public.id)] = "after"
+    store.write_sidecar(signature_name(grafts["after"], alice.public.id), resigned.to_bytes())
+    copied = sign(grafts["a"], alice)  # type: ignore[arg-type]
+    forged = GraftSignature(grafts["other"], copied.key_id, copied.public_key, copied.signature)  # type: ignore[arg-type]
+    names[signature_name(grafts["other"], alice.public.id)] = "other"
+    store.write_sidecar(signature_name(grafts["other"], alice.public.id), forged.to_bytes())
+    return names
 
 
 def build_tiny_store(root: Path) -> TinyStore:
-    """Build the tiny store: five grafts with shared blocks, one after another, the index and one receipt.
+    """Build the tiny store: six grafts with shared blocks, one after another, the index, one receipt, the
+    signatures of `sign_tiny_store` and the trusted keys' directory (`root`'s sibling `trusted-keys/`).
 
     Args:
         root: the store's directory (created).
 
     Returns:
-        The store, its engine, the graft ids by name and the receipt's sidecar name.
+        The store, its engine, the graft ids by name, the receipt's sidecar name and the trust policy.
     """
     store = LocalStore(root)
     engine = make_engine(store)
@@ -105,8 +158,11 @@ def build_tiny_store(root: Path) -> TinyStore:
     result = engine.generate(" so", graft_id=grafts["a"], params=SamplingParams(max_new_tokens=4))
     receipt_name = f"receipts/{result.receipt.id}.json"
     store.write_sidecar(receipt_name, (json.dumps(result.receipt.to_json(), indent=1, sort_keys=True) + "\n").encode())
+    signatures = sign_tiny_store(store, grafts)
+    keys_dir = root.parent / "trusted-keys"
+    write_public_key(keys_dir, "alice", fixed_key("alice"))
     load_index(store)  # writes index.json
-    return TinyStore(root, store, engine, grafts, receipt_name)
+    return TinyStore(root, store, engine, grafts, receipt_name, keys_dir, TrustPolicy.load(keys_dir), signatures)
 
 
 def forked(work: Callable[[], None]) -> int:
@@ -180,7 +236,7 @@ class Summary:
         """Print the table (seen with pytest -s) and merge the JSON into $KVGRAFT_FAULTS_REPORT when set."""
         lines = [f"== {self.name} (seed {self.seed}) =="]
         lines += [f"  {key:<28} {value}" for key, value in sorted(self.counts.items())]
-        lines += [f"  detected by {key:<16} {value}" for key, value in self.errors.most_common()]
+        lines += [f"  detected by {key:<20} {value}" for key, value in self.errors.most_common()]
         lines += [f"  harmless: {key} -> {value}" for key, value in self.reasons.most_common()]
         lines += [f"  {key}: {value}" for key, value in self.extra.items()]
         lines += [f"  FAILED {line}" for line in self.failures[:30]]

@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -66,23 +67,33 @@ def worker(root: Path, seed: int, ops: int, log: Path) -> None:
     engine = make_engine(store)
     rng = random.Random(seed)
     with log.open("w") as out:
-        for _ in range(ops):
-            record: dict[str, Any] = {"seed": seed}
+        for n in range(ops):
+            record: dict[str, Any] = {"seed": seed, "n": n}
             op_rng = random.Random(rng.random())
+            record["started"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
             try:
                 one_op(engine, store, op_rng, record)
             except KvgraftError as exc:
                 record |= {"error": type(exc).__name__, "message": str(exc)}
             except Exception:
                 record["traceback"] = traceback.format_exc()
+            record["ended"] = time.monotonic()
             out.write(json.dumps(record) + "\n")
             out.flush()
 
 
-def allowed(record: dict[str, Any], store: LocalStore) -> bool:
-    """An error caused by the caller's own request, not by another process: its graft is gone."""
+def allowed(record: dict[str, Any], removals: dict[str, list[float]]) -> bool:
+    """An error caused by the caller's own request, not by another process: NotFoundError for a graft that an rm
+    which succeeded had started to remove before the failed operation ended. (Not the final state: a graft removed
+    and built again later is in the final store.)
+
+    Args:
+        record: one operation's log record.
+        removals: the start times of the successful rms, by graft id.
+    """
     target = record.get("target")
-    return record.get("error") == NotFoundError.__name__ and target is not None and target not in store.ids()
+    removed_before = any(started < record["ended"] for started in removals.get(str(target), []))
+    return record.get("error") == NotFoundError.__name__ and target is not None and removed_before
 
 
 def cli(*args: str) -> subprocess.Popen[str]:
@@ -108,17 +119,22 @@ def test_concurrent_operations_never_fail_each_other(tmp_path: Path, request: py
     outputs = [(p.args[3:], *p.communicate(timeout=600), p.returncode) for p in clis]
     summary = Summary("concurrency", seed, extra={"workers": workers, "ops_per_worker": ops})
     records = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    removals: dict[str, list[float]] = {}
+    for r in records:
+        if r.get("op") == "rm" and "error" not in r and "traceback" not in r:
+            removals.setdefault(r["target"], []).append(r["started"])
     for record in records:
+        what = f"seed {record['seed']} op #{record['n']} {record.get('op')} target {str(record.get('target'))[:12]}"
         summary.counts["operations"] += 1
         summary.counts[f"op_{record.get('op', 'failed')}"] += 1
         if "traceback" in record:
             summary.counts["tracebacks"] += 1
-            summary.failures.append(f"seed {record['seed']}: traceback {record['traceback'].strip().splitlines()[-1]}")
-        elif "error" in record and allowed(record, store):
+            summary.failures.append(f"{what}: traceback {' | '.join(record['traceback'].strip().splitlines()[-7:])}")
+        elif "error" in record and allowed(record, removals):
             summary.counts["allowed_not_found"] += 1
         elif "error" in record:
             summary.counts["spurious_errors"] += 1
-            summary.failures.append(f"seed {record['seed']}: {record['error']}: {record['message']}")
+            summary.failures.append(f"{what}: {record['error']}: {record['message']}")
     for args, _stdout, stderr, code in outputs:
         summary.counts["cli_calls"] += 1
         if code != 0 or "Traceback" in stderr:

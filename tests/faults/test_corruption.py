@@ -2,8 +2,10 @@
 
 Each trial damages one file of the tiny store (faultkit.build_tiny_store), then observes everything a user can get
 from the store through the Python API: every graft read back with every hash checked (manifest and tensor
-hashes), each block as a build reusing it reads it, the library index, `store stats`, `ls`, retrieval rankings and
-the receipt with its verification. The trial is then
+hashes), each block as a build reusing it reads it, the library index, `store stats`, `ls`, retrieval rankings, the
+receipt with its verification, and which grafts a `TrustedStore` under the tiny store's policy lists and lets
+through (a signature file damaged must refuse its graft with one UntrustedGraftError line, and never let a refused
+graft through). The trial is then
 
 - detected: every observation that differs from the undamaged baseline is a kvgraft error (what the CLI prints
   as one `error:` line);
@@ -38,17 +40,18 @@ from typer.testing import CliRunner
 from kvgraft.cli import app
 from kvgraft.cli.grafts import graft_row
 from kvgraft.cli.inputs import read_text_file
-from kvgraft.core.errors import KvgraftError
+from kvgraft.core.errors import KvgraftError, UntrustedGraftError
 from kvgraft.core.hashing import sha256_tensor
 from kvgraft.engine.verify import verify_receipt
 from kvgraft.format.receipt import parse_receipt
 from kvgraft.library.index import INDEX_NAME, load_index, store_stats
 from kvgraft.library.library import Library
+from kvgraft.store.trust import SIGNATURES_GENERATION, TrustedStore
 
 pytestmark = pytest.mark.faults
 
 QUERIES = ("blocks shared between grafts", "rivers and bridges", "receipts record a generation", "crash")
-JSON_KINDS = {"manifest", "index", "receipt"}
+JSON_KINDS = {"manifest", "index", "receipt", "signature"}
 Outcome = tuple[Any, ...]
 """("ok", value), ("error", class name, message) or ("traceback", text)"""
 
@@ -173,6 +176,24 @@ class Observer:
         library = Library.from_store(self.tiny.store)
         return [[(h.graft_id, round(h.score, 9), h.label) for h in library.search(q, k=10)] for q in QUERIES]
 
+    def trust(self) -> dict[str, Outcome]:
+        """Each graft as a fresh `TrustedStore` under the tiny store's policy sees it: ("ok", its id) when trusted,
+        the refusal otherwise. A refusal that is not one UntrustedGraftError line, or `ids()` disagreeing with what
+        `resolve` lets through, is recorded as an "ok" value that differs from the baseline (a failure)."""
+        tier = TrustedStore(self.tiny.store, self.tiny.policy)
+        listed = attempt(tier.ids)
+        if listed[0] != "ok":
+            return {"trust:ids": ("ok", f"ids() under the policy failed: {listed[1:]}")}
+        seen: dict[str, Outcome] = {"trust:ids": ("ok", "listed")}
+        for name, graft_id in self.tiny.grafts.items():
+            outcome = attempt(lambda g=graft_id: tier.resolve(g))
+            if outcome[0] == "error" and (outcome[1] != UntrustedGraftError.__name__ or "\n" in outcome[2]):
+                outcome = ("ok", f"refused with {outcome[1]}, not one UntrustedGraftError line: {outcome[2]!r}")
+            if outcome[0] != "traceback" and (outcome[0] == "ok") != (graft_id in listed[1]):
+                outcome = ("ok", f"ids() lists it: {graft_id in listed[1]}, resolve gives {outcome[:2]}")
+            seen[f"trust:{name}"] = outcome
+        return seen
+
     def observe(self, grafts: set[str] | None = None, blocks: set[str] | None = None) -> dict[str, Outcome]:
         """Everything, or (`grafts`, `blocks` given, unless `everything`) only those grafts and blocks."""
         store = self.tiny.store
@@ -190,6 +211,7 @@ class Observer:
         )
         seen["search"] = attempt(self.search)
         seen["receipt"] = attempt(self.receipt)
+        seen |= self.trust()
         return seen
 
 
@@ -229,6 +251,30 @@ def harmless_reason(damage: Damage, original: bytes, damaged: bytes, after: byte
     return f"{damage.kind}: field {', '.join(sorted(json_paths(before_value, damaged_value)))}"
 
 
+def signature_reason(tiny: TinyStore, damage: Damage, baseline: dict[str, Outcome]) -> str | None:
+    """Why a harmless change of a signature file is harmless, when that is not in its parsed fields alone.
+
+    Only files named for a key of the policy are ever read under it (`signatures/<graft id>.<key id>.json`); the
+    generation file is random bytes a `TrustedStore` only compares for change. A refused graft's file that still
+    gives the same refusal changed nothing a reader sees.
+    """
+    name = damage.path.relative_to(tiny.root).as_posix()
+    if name == SIGNATURES_GENERATION:
+        return "signature: the generation file (random bytes, only compared for change)"
+    if damage.path.name.split(".")[1] not in tiny.policy.keys:
+        return "signature: file of a key the policy does not trust (never read under it)"
+    if baseline[f"trust:{tiny.signatures[name]}"][0] != "ok":
+        return "signature: of a refused graft, still refused for the same reason"
+    return None
+
+
+def signature_owner(tiny: TinyStore, path: Path) -> set[str]:
+    """The graft a signature file named for a trusted key is about, by name (empty for any other file)."""
+    name = path.relative_to(tiny.root).as_posix()
+    trusted_key = len(path.name.split(".")) == 3 and path.name.split(".")[1] in tiny.policy.keys
+    return {tiny.signatures[name]} if trusted_key and name in tiny.signatures else set()
+
+
 @dataclass
 class Trial:
     damage: Damage
@@ -256,6 +302,7 @@ def run_trial(
     original = originals[damage.path]
     damaged = damage.apply(original)
     needs = dependents(tiny, damage.path) if damage.kind in ("block", "manifest", "tensors") else set()
+    needs |= signature_owner(tiny, damage.path) if damage.kind == "signature" else set()
     others = sorted(set(tiny.grafts) - needs)
     sampled = needs | {random.Random(damage.seed).choice(others)} if others else needs
     block = {damage.path.name.removesuffix(".safetensors")} if damage.kind == "block" else set()
@@ -266,15 +313,23 @@ def run_trial(
     finally:
         restore(tiny.root, originals)
     lost = [n for n in tiny.grafts if seen.get(f"get:{n}", ("ok",))[0] != "ok" and n not in needs]
+    # Under the policy too: a graft trusted before and refused now, though the damaged file is not its signature.
+    lost += [
+        f"{n} (under the policy)"
+        for n in tiny.grafts
+        if baseline[f"trust:{n}"][0] == "ok" and seen.get(f"trust:{n}", ("error",))[0] != "ok" and n not in needs
+    ]
     differing = sorted(k for k in seen if seen[k] != baseline[k])
     tracebacks = [k for k, v in seen.items() if v[0] == "traceback"]
     if tracebacks:
         return Trial(damage, "traceback", f"{tracebacks[0]}: {seen[tracebacks[0]][1].splitlines()[-1]}", lost)
     if not differing:
-        return Trial(damage, "accepted", harmless_reason(damage, original, damaged, after), lost)
+        reason = signature_reason(tiny, damage, baseline) if damage.kind == "signature" else None
+        return Trial(damage, "accepted", reason or harmless_reason(damage, original, damaged, after), lost)
     silent = [k for k in differing if seen[k][0] != "error"]
     if silent:
-        return Trial(damage, "silent", f"accepted with other {', '.join(silent)}", lost)
+        shown = "; ".join(f"{k}: {str(seen[k][1])[:160]}" for k in silent[:3])
+        return Trial(damage, "silent", f"accepted with other {shown}", lost)
     return Trial(damage, "detected", seen[differing[0]][1], lost)
 
 
@@ -319,11 +374,13 @@ def test_random_damage_is_detected_or_harmless(tiny: TinyStore, request: pytest.
     trials_n = int(os.environ.get("KVGRAFT_FAULTS_TRIALS", 5000 if is_campaign(request) else 200))
     base_seed = int(os.environ.get("KVGRAFT_FAULTS_SEED", "1200"))
     files = store_files(tiny.root)
-    assert {"block", "manifest", "tensors", "index", "receipt"} <= set(files), sorted(files)
+    assert {"block", "manifest", "tensors", "index", "receipt", "signature"} <= set(files), sorted(files)
     originals = {p: p.read_bytes() for paths in files.values() for p in paths}
     observer = Observer(tiny, everything=is_campaign(request))
     baseline = observer.observe()
-    assert all(v[0] == "ok" for v in baseline.values()), baseline
+    refused = {f"trust:{name}" for name in ("after", "other")}  # re-signed by mallory, forged (faultkit)
+    assert all(v[0] == "ok" for k, v in baseline.items() if k not in refused), baseline
+    assert [baseline[k][1] for k in sorted(refused)] == ["UntrustedGraftError"] * 2, baseline
     trials = [
         run_trial(tiny, observer, baseline, draw_damage(base_seed + i, files, originals), originals)
         for i in range(trials_n)
@@ -338,6 +395,10 @@ def test_random_damage_is_detected_or_harmless(tiny: TinyStore, request: pytest.
 def cli_command(tiny: TinyStore, trial: Trial) -> list[str]:
     """The command a user would run that reads what the trial damaged."""
     store = ["--store", str(tiny.root)]
+    if trial.damage.kind == "signature":
+        owner = signature_owner(tiny, trial.damage.path) or {"a"}
+        graft = ["-g", tiny.grafts[owner.pop()], "-p", " so", "-n", "2"]
+        return ["generate", *graft, "--trusted-keys", str(tiny.keys_dir), *store]
     if trial.damage.kind == "receipt":
         return ["verify", "--receipt", str(tiny.root / tiny.receipt_name), *store]
     if trial.damage.kind == "index":
@@ -348,7 +409,7 @@ def cli_command(tiny: TinyStore, trial: Trial) -> list[str]:
 
 def readable_by_get(tiny: TinyStore, trial: Trial) -> bool:
     """Whether the damage is one `generate` meets (a block's declared digest is read only when a build reuses it)."""
-    return trial.damage.kind in ("receipt", "index") or bool(dependents(tiny, trial.damage.path))
+    return trial.damage.kind in ("receipt", "index", "signature") or bool(dependents(tiny, trial.damage.path))
 
 
 def check_cli_sample(tiny: TinyStore, trials: list[Trial], originals: dict[Path, bytes], subprocesses: int) -> int:
@@ -367,6 +428,8 @@ def check_cli_sample(tiny: TinyStore, trials: list[Trial], originals: dict[Path,
     real = 0
     for (kind, outcome), trial in sorted(chosen.items()):
         command = cli_command(tiny, trial)
+        # A signature's graft may be one the policy refuses already (exit 1 undamaged); every other command exits 0.
+        undamaged_code = runner.invoke(app, command).exit_code if kind == "signature" else 0
         trial.damage.path.write_bytes(trial.damage.apply(originals[trial.damage.path]))
         try:
             result = runner.invoke(app, command)
@@ -377,13 +440,46 @@ def check_cli_sample(tiny: TinyStore, trials: list[Trial], originals: dict[Path,
                 assert result.exit_code == 1, (where, result.output)
                 lines = result.stderr.strip().splitlines()
                 assert len(lines) == 1 and lines[0].startswith("error: "), (where, result.stderr)
-                if real < subprocesses and kind in ("block", "receipt", "manifest"):
+                if real < subprocesses and kind in ("block", "receipt", "manifest", "signature"):
                     one_error_line(run_cli(*command))
                     real += 1
             else:
-                assert result.exit_code == 0, (where, result.output)
+                assert result.exit_code == undamaged_code, (where, result.output)
                 if kind == "index":
                     assert json.loads(result.stdout) == baseline_stats, where
         finally:
             restore(tiny.root, originals)
     return len(chosen)
+
+
+def test_no_bit_flip_or_truncation_of_a_signature_lets_a_refused_graft_through(
+    tiny: TinyStore, request: pytest.FixtureRequest
+) -> None:
+    """Every truncation and every flip of bit 0 or 5 (a hex digit's case; every bit with --campaign) of each byte of
+    the two refused grafts' signature files (mallory's signature of "after" and the forgery for "other", both named
+    for the trusted key): the graft stays refused, with one UntrustedGraftError line. (No other graft's verdict
+    reads these files: a verdict reads only the files named for its own graft id; the random trials check every
+    graft's verdict.)"""
+    refused = {name: graft for name, graft in tiny.signatures.items() if graft in ("after", "other")}
+    assert sorted(refused.values()) == ["after", "other"], tiny.signatures
+    bits = range(8) if is_campaign(request) else (0, 5)
+    variants = 0
+    for name, graft in refused.items():
+        path = tiny.root / name
+        original = path.read_bytes()
+        damaged = [original[:length] for length in range(len(original))]
+        damaged += [
+            original[:i] + bytes([original[i] ^ (1 << bit)]) + original[i + 1 :]
+            for i in range(len(original))
+            for bit in bits
+        ]
+        try:
+            for data in damaged:
+                path.write_bytes(data)
+                with pytest.raises(UntrustedGraftError) as refusal:
+                    TrustedStore(tiny.store, tiny.policy).resolve(tiny.grafts[graft])
+                assert "\n" not in str(refusal.value), str(refusal.value)
+                variants += 1
+        finally:
+            path.write_bytes(original)
+    assert variants > 2 * (1 + len(bits)) * 300
