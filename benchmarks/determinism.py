@@ -36,6 +36,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from _load import BusyLoad
+
 
 def _texts(count: int, chars: int) -> list[str]:
     demo = resources.files("kvgraft.data").joinpath("demo_text.txt").read_text()
@@ -184,23 +186,6 @@ def _reported(result: ConfigResult) -> ConfigResult:
         flush=True,
     )
     return result
-
-
-class BusyLoad:
-    """`count` processes spinning on the CPU until stopped."""
-
-    def __init__(self, count: int) -> None:
-        # Each loop also ends by itself when this process dies, however it dies.
-        spin = f"import os\nwhile os.getppid() == {os.getpid()}: pass"
-        self.processes = [
-            subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.DEVNULL) for _ in range(count)
-        ]
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-        for process in self.processes:
-            process.wait()
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+from _load import BusyLoad
+
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
 
@@ -50,23 +52,6 @@ def _worker(model: str, tokens: int, repeats: int) -> dict[str, Any]:
 
 
 # --- driver ----------------------------------------------------------------------------------------------------
-
-
-class BusyLoad:
-    """`count` processes spinning on the CPU until stopped."""
-
-    def __init__(self, count: int) -> None:
-        # Each loop also ends by itself when this process dies, however it dies.
-        spin = f"import os\nwhile os.getppid() == {os.getpid()}: pass"
-        self.processes = [
-            subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.DEVNULL) for _ in range(count)
-        ]
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-        for process in self.processes:
-            process.wait()
 
 
 def _probe(code: str) -> int:

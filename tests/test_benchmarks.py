@@ -146,3 +146,25 @@ def test_s3_clients_at_ci_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert obstore["missing"] is None and obstore["create"] == "yes (2nd refused)"
     assert all(len(obstore["seconds"][kind]) == 1 for kind in ("get_small", "put_small", "get_big", "put_big"))
     assert by_name["raw HTTP (http.client, ceiling)"]["missing"] is None
+
+
+def test_threads_benchmark_measures_each_count_under_load(tmp_path: Path) -> None:
+    data = _run(
+        "threads.py",
+        "--models",
+        "random:llama",
+        "--threads",
+        "1",
+        "--load",
+        "1",
+        "--tokens",
+        "2",
+        "--repeats",
+        "1",
+        cwd=tmp_path,
+    )
+    (row,) = data["rows"]
+    assert row["model"] == "random:llama" and row["load"] == 1
+    (run,) = row["runs"]
+    # The count asked for is the count the decoding thread really had.
+    assert run["threads"] == run["threads_seen"] == 1 and run["tok_s"] > 0

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import Summary, forked, is_campaign, make_engine
 
 from kvgraft.core.errors import KvgraftError, NotFoundError
 from kvgraft.core.sampling import SamplingParams
@@ -29,6 +28,8 @@ from kvgraft.engine.engine import Engine
 from kvgraft.library.index import store_stats
 from kvgraft.store import LocalStore
 from kvgraft.store.base import scan_manifests
+
+from faultkit import Summary, forked, is_campaign, make_engine
 
 pytestmark = pytest.mark.faults
 

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import Summary, TinyStore, build_tiny_store, is_campaign, one_error_line, run_cli
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
@@ -47,6 +46,8 @@ from kvgraft.format.receipt import parse_receipt
 from kvgraft.library.index import INDEX_NAME, load_index, store_stats
 from kvgraft.library.library import Library
 from kvgraft.store.trust import SIGNATURES_GENERATION, TrustedStore
+
+from faultkit import Summary, TinyStore, build_tiny_store, is_campaign, one_error_line, run_cli
 
 pytestmark = pytest.mark.faults
 

@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-from faultkit import Summary, forked, is_campaign, make_engine
 
 from kvgraft.core.errors import KvgraftError
 from kvgraft.engine.engine import Engine
 from kvgraft.format.manifest import MANIFEST_NAME, parse_manifest
 from kvgraft.store import LocalStore
+
+from faultkit import Summary, forked, is_campaign, make_engine
 
 pytestmark = pytest.mark.faults
 

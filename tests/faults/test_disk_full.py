@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from faultkit import Summary, forked, make_engine, one_error_line, run_cli
 from typer.testing import CliRunner
 
 from kvgraft.cli import app
@@ -30,6 +29,7 @@ from kvgraft.library.index import INDEX_NAME, store_stats
 from kvgraft.store import LocalStore
 
 from conftest import TEXT
+from faultkit import Summary, forked, make_engine, one_error_line, run_cli
 
 pytestmark = pytest.mark.faults
 
