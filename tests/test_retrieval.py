@@ -127,7 +127,7 @@ def test_an_index_of_the_previous_version_is_rebuilt_with_summaries(
     }
     (store.root / INDEX_NAME).write_text(json.dumps(old))
     assert load_index(store) == current
-    assert json.loads((store.root / INDEX_NAME).read_text())["index_version"] == INDEX_VERSION == 2
+    assert json.loads((store.root / INDEX_NAME).read_text())["index_version"] == INDEX_VERSION == 3
     assert Library.from_store(store).search(PLAIN["bread"], k=1)[0].graft_id == plain["bread"]
 
 
