@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgraft.flywheel.answers import answers_match, extract_answer, extract_integer_answer
+from kvgraft.flywheel.answers import answers_match, extract_answer, extract_boxed, extract_integer_answer
 
 
 @pytest.mark.parametrize(
@@ -18,6 +18,10 @@ from kvgraft.flywheel.answers import answers_match, extract_answer, extract_inte
         ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3, \\frac{\\pi}{2})", True),
         ("10", None, False),
         ("10", "", False),
+        ("0.5", "\\frac{1}{2}", True),
+        ("\\frac{1}{2}", "0.5", True),
+        ("70", "070", True),
+        ("\\frac{1}{2}", "\\frac{1}{3}", False),
     ],
 )
 def test_answers_match(gold: object, predicted: object, expected: bool) -> None:
@@ -30,3 +34,31 @@ def test_extraction() -> None:
     assert extract_integer_answer("no mark") is None
     assert extract_answer("so. Answer: \\frac{1}{2}\nQ:next") == "\\frac{1}{2}"
     assert extract_answer("Answer:") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so the answer is \\boxed{70}.", "70"),
+        ("\\boxed{1} first, then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box, nested braces
+        ("\\boxed{\\left\\{ 1, 2 \\right\\}}", "\\left\\{ 1, 2 \\right\\}"),
+        ("\\boxed{\\left\\{ 1 \\right.}", "\\left\\{ 1 \\right."),  # escaped braces are the set's
+        ("\\fbox{12}", "12"),
+        ("\\boxed{3} and \\fbox{4}", "4"),
+        ("\\boxed {  9 }", "9"),
+        ("\\boxed{5} then cut off \\boxed{\\frac{1}{", "5"),  # a box left open does not count
+        ("\\boxed{\\frac{1}{", None),
+        ("\\boxed{ }", None),
+        ("Answer:7", None),
+        ("\\boxed", None),
+    ],
+)
+def test_extract_boxed(text: str, expected: str | None) -> None:
+    assert extract_boxed(text) == expected
+
+
+def test_boxed_answers_checked_with_math_verify() -> None:
+    assert answers_match("0.5", extract_boxed("We get \\boxed{\\frac{1}{2}}."))
+    assert answers_match(70, extract_boxed("\\boxed{070}"))
+    assert not answers_match("71", extract_boxed("\\boxed{070}"))
+    assert not answers_match("70", extract_boxed("no box: 70"))

@@ -1,5 +1,7 @@
 """Final answers: extraction from model output and checking against gold answers.
 
+Two ways a model states its answer: the demo format's `Answer:N` line, and the `\\boxed{...}` of instruct models
+and the public sets (the last complete box counts, nested braces included; `\\fbox{...}` too).
 Integers are compared as numbers ("070" equals 70). Other answers (LaTeX fractions, expressions) go through
 HuggingFace math-verify, gold first; its signal-based timeouts only work in the main thread, so elsewhere they
 are disabled (math-verify logs a warning) and nothing bounds the time: the inputs are short answer strings.
@@ -44,6 +46,59 @@ def extract_answer(text: str) -> str | None:
         return None
     answer = text[at + len(ANSWER_MARK) :].split("\n", 1)[0].strip()
     return answer or None
+
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last complete `\\boxed{...}` (or `\\fbox{...}`) in a model's output.
+
+    Braces nest (`\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`); a box left open (an output cut by its budget)
+    does not count, so an earlier complete one is taken instead.
+
+    Args:
+        text: the output.
+
+    Returns:
+        The box's content, stripped; None when there is no complete box or its content is blank.
+    """
+    starts = sorted((at, len(command)) for command in _BOX_COMMANDS for at in _find_all(text, command))
+    for at, length in reversed(starts):
+        content = _braced(text, at + length)
+        if content is not None:
+            return content.strip() or None
+    return None
+
+
+def _find_all(text: str, needle: str) -> list[int]:
+    found, at = [], text.find(needle)
+    while at >= 0:
+        found.append(at)
+        at = text.find(needle, at + 1)
+    return found
+
+
+def _braced(text: str, at: int) -> str | None:
+    """The text inside the balanced braces that open at `at` (after optional spaces), or None when they don't."""
+    while at < len(text) and text[at] == " ":
+        at += 1
+    if at >= len(text) or text[at] != "{":
+        return None
+    depth, escaped = 0, False
+    for end in range(at, len(text)):
+        char = text[end]
+        if escaped:  # `\\{` and `\\}` are literal braces (a set's), not the box's
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[at + 1 : end]
+    return None
 
 
 def as_integer(value: object) -> int | None:

@@ -1,8 +1,8 @@
-"""The graft library seen from a query: replay grafts found by prompt hash, any other graft found by its texts.
+"""The graft library seen from a query: replay grafts found by prompt or problem hash, any other graft by its texts.
 
 Grafts join the library through their metadata (written by harvest, or given to `Engine.put`; the shapes are in
-kvgraft.format.metadata): a replay graft by the hash of its prompt tokens, a block by its problems' texts, any
-other graft by its summary or title.
+kvgraft.format.metadata): a replay graft by the hash of its prompt tokens or of its problem's text, a block by its
+problems' texts, any other graft by its summary or title.
 Texts are matched by a retriever (kvgraft.library.retrieval): BM25 by default, or a local sentence-transformers model.
 """
 
@@ -90,6 +90,16 @@ class Library:
     def find_replay(self, prompt_tokens: list[int]) -> str | None:
         """The replay graft whose prompt tokens equal these, found by their SHA-256."""
         return self.replay_by_prompt.get(sha256_token_ids(prompt_tokens))
+
+    def find_replay_by_problem(self, problem_sha256: str) -> str | None:
+        """The replay graft of a problem, found by the SHA-256 of its text (`Item.text_sha256`).
+
+        Unlike `find_replay` this needs no tokenizer and does not depend on how the prompt was encoded (with a
+        subword tokenizer, the prompt's own tokens are not always a prefix of the graft's). The graft's
+        fingerprint is still checked when it is restored; that it was made with the prompt format the caller
+        asks in is the caller's to know (one format per store). Several replay grafts of one problem: the last
+        one indexed."""
+        return self.replay_problems.get(problem_sha256)
 
     def holds(self, problem_sha256: str) -> bool:
         """Whether a verified solution of this problem is in the library (the problem is "seen")."""
