@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE
 from kvgraft.engine.engine import Engine
-from kvgraft.models.loading import DEFAULT_DTYPE
+from kvgraft.models.loading import DEFAULT_DEVICE, DEFAULT_DTYPE, resolve_device
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.trust import TrustedStore, TrustPolicy
 
@@ -26,6 +26,7 @@ def load_engine(
     cache_bytes: int | None = None,
     shared_cache: str | None = None,
     trusted_keys: str | Path | None = None,
+    device: str = DEFAULT_DEVICE,
 ) -> Engine:
     """Load the engine; unspecified model, dtype and chunk size default to the graft's own when there is one.
 
@@ -34,17 +35,20 @@ def load_engine(
             `FALLBACK_MODEL`.
         store: the store directory; None for the default store.
         chunk_size: chunk size C of the schedule; None (or 0) for the graft's, else the engine's default.
-        dtype: the model's dtype; None (or empty) for the graft's, else the engine's default.
+        dtype: the model's dtype; None (or empty) for the graft's, else the device's default (float32 on cpu and
+            mps, bfloat16 on cuda).
         graft: a graft id or prefix whose manifest supplies the defaults above.
         allow_env_mismatch: use grafts made under another numeric environment (reported as not exact).
         cache_bytes: size of the RAM tier of restored grafts in front of the store; None for none.
         shared_cache: redis://HOST:PORT/DB of a block cache shared between processes; None for none.
         trusted_keys: a directory of trusted public keys (`*.pub`): only grafts one of them signed are used (the
             graft above included); None for no policy.
+        device: cpu, cuda, cuda:N or mps; checked before the store is opened.
 
     Returns:
         The loaded engine, on the opened store.
     """
+    resolve_device(device)  # an unknown or absent device is the first error, before any store or model work
     graft_store = open_trusted_store(store, trusted_keys)
     if graft is not None and (model is None or chunk_size is None or dtype is None):
         manifest = graft_store.manifest(graft)
@@ -53,7 +57,8 @@ def load_engine(
         dtype = dtype or manifest.dtype
     return Engine.load(
         model or FALLBACK_MODEL,
-        dtype=dtype or DEFAULT_DTYPE,
+        dtype=dtype or None,
+        device=device,
         chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
         store=graft_store,
         allow_environment_mismatch=allow_env_mismatch,

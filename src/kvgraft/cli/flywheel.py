@@ -14,6 +14,7 @@ from rich.table import Table
 from kvgraft.cli.engines import load_engine
 from kvgraft.cli.options import (
     CpusPerWorkerOpt,
+    DeviceOpt,
     JsonOpt,
     ModelOpt,
     RayAddressOpt,
@@ -26,6 +27,7 @@ from kvgraft.cli.options import (
 )
 from kvgraft.cli.output import emit, out, progress
 from kvgraft.engine.engine import Engine
+from kvgraft.models.loading import resolve_device
 
 if TYPE_CHECKING:
     from kvgraft.flywheel.bench import BenchSummary
@@ -65,6 +67,7 @@ def harvest(
     workers: WorkersOpt = None,
     cpus_per_worker: CpusPerWorkerOpt = None,
     threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
     """Solve, verify, store: replay grafts of verified solutions (and context blocks), with their upstream cost."""
@@ -79,7 +82,7 @@ def harvest(
         raise BadInputError("--ray-address, --workers and --cpus-per-worker go with --ray")
     settings = RaySettings.of(ray_address, workers, cpus_per_worker) if ray else None
     items = load_dataset(solutions or dataset)[:limit]
-    engine = load_engine(model or "demo", store, shared_cache=shared_cache)
+    engine = load_engine(model or "demo", store, shared_cache=shared_cache, device=device)
     started = time.perf_counter()
     with progress("harvest", not as_json) as on_chunk:
         on_item = (lambda done, total: on_chunk(done, total)) if on_chunk else None
@@ -135,6 +138,7 @@ def bench(
     store: StoreOpt = None,
     trusted_keys: TrustedKeysOpt = None,
     threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
     """The ladder: bare, grafted and gated accuracy with intervals, seen vs unseen, decode tokens, receipts."""
@@ -147,7 +151,7 @@ def bench(
 
     items = load_dataset(dataset)[:limit]
     retriever = make_retriever(dense_model)  # before the model: a bad path fails at once
-    engine = load_engine(model or "demo", library or store, trusted_keys=trusted_keys)
+    engine = load_engine(model or "demo", library or store, trusted_keys=trusted_keys, device=device)
     gate = Gate(min_match=min_match, min_confidence=min_confidence)
     with progress("bench", not as_json) as on_chunk:
         results, facts = run_ladder(
@@ -201,18 +205,20 @@ def demo(
     ] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("kvgraft-report"),
     threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
     """The flywheel on the demo model: harvest half the exam, then the ladder (bare, grafted, gated) on all of it."""
     apply_threads(threads)
+    device = str(resolve_device(device))  # checked once, before any work
     if exactness:
         with tempfile.TemporaryDirectory(prefix="kvgraft-demo-") as tmp:
-            _exactness_demo(Path(store or tmp), store is None, as_json)
+            _exactness_demo(Path(store or tmp), store is None, as_json, device)
         return
     from kvgraft.flywheel.cycle import QUICK, FlywheelPlan, run_flywheel
 
     # Kept beside the report, so that its grafts and receipts can be re-checked after the run.
-    engine = Engine.load("demo", store=store or str(out_dir / "store"))
+    engine = Engine.load("demo", store=store or str(out_dir / "store"), device=device)
     with progress("demo", not as_json) as on_chunk:
         on_progress = (lambda stage, done, total: on_chunk(done, total)) if on_chunk else None
         summary = run_flywheel(engine, QUICK if quick else FlywheelPlan(), out_dir, on_progress)
@@ -221,12 +227,12 @@ def demo(
         raise typer.Exit(1)
 
 
-def _exactness_demo(store: Path, temporary: bool, as_json: bool) -> None:
+def _exactness_demo(store: Path, temporary: bool, as_json: bool, device: str = "cpu") -> None:
     """`demo --exactness`: one graft restored and proven equal to a fresh run; exit 1 unless exact."""
     from kvgraft.flywheel.demo import run_demo
 
     with progress("building graft", not as_json) as on_chunk:
-        report = run_demo(store, on_chunk=on_chunk)
+        report = run_demo(store, on_chunk=on_chunk, device=device)
     data = report.to_json()
 
     def render() -> None:

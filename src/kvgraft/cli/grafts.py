@@ -15,6 +15,7 @@ from kvgraft.cli.inputs import jsonl_items, read_text_file
 from kvgraft.cli.options import (
     ChunkOpt,
     CpusPerWorkerOpt,
+    DeviceOpt,
     DtypeOpt,
     EnvOpt,
     JsonOpt,
@@ -34,6 +35,7 @@ from kvgraft.engine.engine import Engine
 from kvgraft.format.manifest import Manifest
 from kvgraft.format.receipt import parse_receipt
 from kvgraft.format.signature import read_signing_key
+from kvgraft.models.loading import resolve_device
 from kvgraft.store import open_store
 from kvgraft.store.base import scan_manifests
 from kvgraft.store.trust import sign_graft
@@ -65,6 +67,7 @@ def build(
     ] = False,
     allow_env_mismatch: EnvOpt = False,
     threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     shared_cache: SharedCacheOpt = None,
     ray: Annotated[
         bool, typer.Option("--ray", help="Build the texts on Ray actors, one model each (same grafts as without).")
@@ -87,7 +90,9 @@ def build(
     apply_threads(threads)  # a parent made with another count is continued at its own (Engine.build)
     # A parent made under another environment is continued under this one: its blocks are keyed by the other
     # fingerprint, so every block of the new graft is computed here and the new graft is exact under this run.
-    engine = load_engine(model, store, chunk_size, dtype, after, allow_env_mismatch, shared_cache=shared_cache)
+    engine = load_engine(
+        model, store, chunk_size, dtype, after, allow_env_mismatch, shared_cache=shared_cache, device=device
+    )
     if jsonl is not None:
         items = jsonl_items(jsonl)
     else:
@@ -218,6 +223,7 @@ def generate(
     dtype: DtypeOpt = None,
     allow_env_mismatch: EnvOpt = False,
     threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     shared_cache: SharedCacheOpt = None,
     trusted_keys: TrustedKeysOpt = None,
     as_json: JsonOpt = False,
@@ -227,7 +233,15 @@ def generate(
     grafts = list(graft or [])
     first = grafts[0] if grafts else None
     engine = load_engine(
-        model, store, chunk_size, dtype, first, allow_env_mismatch, shared_cache=shared_cache, trusted_keys=trusted_keys
+        model,
+        store,
+        chunk_size,
+        dtype,
+        first,
+        allow_env_mismatch,
+        shared_cache=shared_cache,
+        trusted_keys=trusted_keys,
+        device=device,
     )
     params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
     with progress("prefill", not as_json) as on_chunk:
@@ -268,6 +282,7 @@ def verify(
     model: ModelOpt = None,
     store: StoreOpt = None,
     threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     trusted_keys: TrustedKeysOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -277,15 +292,16 @@ def verify(
     if sample is not None and not every:
         raise BadInputError("--sample goes with --all")
     apply_threads(threads)
+    device = str(resolve_device(device))  # checked once, before any store or model work
     if every:
-        _verify_store(model, store, sample, seed, as_json, trusted_keys)
+        _verify_store(model, store, sample, seed, as_json, trusted_keys, device)
         return
     result: GraftVerification | ReceiptVerification
     if receipt is not None:
-        result, failed = _rerun_receipt(receipt, model, store, as_json)
+        result, failed = _rerun_receipt(receipt, model, store, as_json, device)
     else:
         assert graft is not None
-        result, failed = _recompute_graft(graft, model, store, as_json, trusted_keys)
+        result, failed = _recompute_graft(graft, model, store, as_json, trusted_keys, device)
     if result.environment_differences:
         failed.append("environment (" + "; ".join(result.environment_differences) + ")")
     data = result.to_json()
@@ -303,7 +319,7 @@ def verify(
 
 
 def _rerun_receipt(
-    path: Path, model: str | None, store: str | None, as_json: bool
+    path: Path, model: str | None, store: str | None, as_json: bool, device: str = "cpu"
 ) -> tuple[ReceiptVerification, list[str]]:
     """`verify --receipt`: the rerun's result and what differs, on the receipt's own dtype and chunk size."""
     from kvgraft.engine.verify import verify_receipt
@@ -314,6 +330,7 @@ def _rerun_receipt(
         dtype=parsed.fingerprint.model["dtype"],
         chunk_size=int(parsed.fingerprint.schedule["chunk_size"]),
         store=open_store(store),
+        device=device,
     )
     with progress("rerun", not as_json) as on_chunk:
         result = verify_receipt(engine, parsed, on_chunk)
@@ -324,12 +341,17 @@ def _rerun_receipt(
 
 
 def _recompute_graft(
-    graft: str, model: str | None, store: str | None, as_json: bool, trusted_keys: str | None = None
+    graft: str,
+    model: str | None,
+    store: str | None,
+    as_json: bool,
+    trusted_keys: str | None = None,
+    device: str = "cpu",
 ) -> tuple[GraftVerification, list[str]]:
     """`verify GRAFT`: the recompute's result and what differs (the first mismatched tensors named)."""
     from kvgraft.engine.verify import verify_graft
 
-    engine = load_engine(model, store, graft=graft, trusted_keys=trusted_keys)
+    engine = load_engine(model, store, graft=graft, trusted_keys=trusted_keys, device=device)
     with progress("recompute", not as_json) as on_chunk:
         result = verify_graft(engine, graft, on_chunk)
     failed = [name for name, ok in (("KV tensors", result.kv_equal), ("logits", result.logits_equal)) if not ok]
@@ -339,7 +361,13 @@ def _recompute_graft(
 
 
 def _verify_store(
-    model: str | None, store: str | None, sample: int | None, seed: int, as_json: bool, trusted_keys: str | None = None
+    model: str | None,
+    store: str | None,
+    sample: int | None,
+    seed: int,
+    as_json: bool,
+    trusted_keys: str | None = None,
+    device: str = "cpu",
 ) -> None:
     """`verify --all`: every graft (or a sample; under a trust policy, every trusted one), one engine per model,
     dtype and chunk size."""
@@ -352,7 +380,7 @@ def _verify_store(
     def engine_for(manifest: Any) -> Engine:
         key = (model or manifest.model_name, manifest.dtype, manifest.chunk_size)
         if key not in engines:
-            engines[key] = Engine.load(key[0], dtype=key[1], chunk_size=key[2], store=graft_store)
+            engines[key] = Engine.load(key[0], dtype=key[1], device=device, chunk_size=key[2], store=graft_store)
         return engines[key]
 
     with progress("verify", not as_json) as on_graft:

@@ -9,6 +9,7 @@ import typer
 from kvgraft.cli.engines import DEFAULT_DTYPE, FALLBACK_MODEL
 from kvgraft.core import reproducibility
 from kvgraft.core.schedule import DEFAULT_CHUNK_SIZE
+from kvgraft.models.loading import CUDA_DTYPE, DEVICES_HELP
 
 ModelOpt = Annotated[
     str | None,
@@ -35,7 +36,21 @@ ChunkOpt = Annotated[
 ]
 DtypeOpt = Annotated[
     str | None,
-    typer.Option("--dtype", help=f"float32, bfloat16 or float16 (default: the graft's, else {DEFAULT_DTYPE})."),
+    typer.Option(
+        "--dtype",
+        help=f"float32, bfloat16 or float16 (default: the graft's, else {DEFAULT_DTYPE} on cpu/mps, "
+        f"{CUDA_DTYPE} on cuda).",
+    ),
+]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        envvar="KVGRAFT_DEVICE",
+        show_envvar=True,
+        help=f"Where the model runs: {DEVICES_HELP}. On CUDA, deterministic kernels and no TF32 (recorded in "
+        "grafts' fingerprints); a graft made on another device needs --allow-env-mismatch.",
+    ),
 ]
 EnvOpt = Annotated[
     bool,

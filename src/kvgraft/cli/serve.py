@@ -9,6 +9,7 @@ import typer
 from kvgraft.cli.engines import load_engine
 from kvgraft.cli.options import (
     ChunkOpt,
+    DeviceOpt,
     DtypeOpt,
     EnvOpt,
     ModelOpt,
@@ -63,6 +64,7 @@ def serve(
     allow_env_mismatch: EnvOpt = False,
     trusted_keys: TrustedKeysOpt = None,
     threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, grafting per request (see the README's Server section)."""
@@ -92,5 +94,6 @@ def serve(
         cache_bytes=cache_bytes,
         shared_cache=shared_cache,
         trusted_keys=trusted_keys,
+        device=device,
     )
     uvicorn.run(create_app(engine, config, retriever), host=host, port=port, log_level=log_level)

@@ -109,7 +109,8 @@ def restore(states: list[LayerState], config: PretrainedConfig, device: torch.de
     Args:
         states: One state per layer of the model, in order.
         config: The model's config (`DynamicCache(config=config)` builds the layers).
-        device: Where the cache's tensors go.
+        device: Where the cache's tensors go: the model's device. Stored tensors (on the CPU, often memory-mapped)
+            are copied there; on the CPU they are used in place.
 
     Returns:
         The cache, as a fresh run would hold it after `cumulative_length` tokens.

@@ -47,7 +47,8 @@ class Generation:
     token_logprobs: list[float] = field(default_factory=list)
     """Natural-log probability the model gave each output token (the model's own confidence)."""
     step_logits: list[torch.Tensor] = field(default_factory=list)
-    """Each step's logits, [vocab], on the model's device; only when decoding was asked to keep them."""
+    """Each step's logits, [vocab], on the CPU (whatever the model's device); only when decoding was asked to keep
+    them."""
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -75,15 +76,18 @@ class DecodeState:
         """Fold one step's logits into the chain (and keep them if asked).
 
         Args:
-            logits: the step's next-token logits, [vocab], on the model's device.
+            logits: the step's next-token logits, [vocab], on the model's device (or on the CPU: a graft's stored
+                ones).
 
         Returns:
-            The same logits on the CPU, [vocab], which sampling and log-probabilities read.
+            The same logits on the CPU, [vocab], which the chain hashes and sampling and log-probabilities read
+            (one copy from the device per step; on the CPU, the very tensor).
         """
-        self.chain.update(logits)
+        step = logits.detach().to("cpu")
+        self.chain.update(step)
         if self.keep_logits:
-            self.kept.append(logits.detach().clone())
-        return logits.detach().to("cpu")
+            self.kept.append(step.clone())
+        return step
 
     def emit(self, token: int, step: torch.Tensor) -> None:
         """Record a sampled token and its log-probability; the first one fixes the time to first token.

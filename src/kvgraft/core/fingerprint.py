@@ -5,9 +5,11 @@ A fingerprint has three parts:
 - `schedule`: the chunk size C. Any difference: refused (KV bytes depend on it).
 - `environment`: torch / transformers / MKL / oneDNN versions, CPU capability, thread count, the reproducibility
   settings in force (MKL's CNR mode, MKL's and OpenMP's dynamic threading: see kvgraft.core.reproducibility),
-  device. These change
-  the last bits of floating-point results; a difference is refused unless the caller overrides it, and then
-  the result is reported as not exact.
+  device; on a CUDA device also the GPU's name, the CUDA and cuDNN versions and the CUDA reproducibility switches
+  (deterministic algorithms, cuBLAS workspace, TF32, cuDNN, the SDPA backends allowed). These change the last
+  bits of floating-point results; a difference is refused unless the caller overrides it, and then the result is
+  reported as not exact. A graft made on one device is thus refused on another (`device` differs). CPU
+  fingerprints hold no CUDA entry, so the grafts made before devices existed stay valid.
 
 The thread count is the one environment entry any machine can match: a run that uses a graft switches torch to
 the graft's count (`recorded_threads` finds it; the engine switches) and then compares fingerprints as usual.
@@ -116,6 +118,14 @@ def _library_version(pattern: str) -> str:
 
 
 def numeric_environment(device: torch.device) -> dict[str, Any]:
+    """The environment part of a fingerprint for a model on `device`.
+
+    Args:
+        device: the model's device.
+
+    Returns:
+        The entries; on CUDA, `cuda_environment`'s too.
+    """
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -127,10 +137,32 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
         "device": device.type,
     }
     if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-        env["cudnn"] = torch.backends.cudnn.version()
+        env.update(
+            cuda_environment(
+                torch.cuda.get_device_name(device),
+                torch.version.cuda,
+                torch.backends.cudnn.version(),
+                reproducibility.cuda_settings(),
+            )
+        )
     return env
+
+
+def cuda_environment(
+    device_name: str, cuda: str | None, cudnn: int | None, settings: reproducibility.CudaSettings
+) -> dict[str, Any]:
+    """The entries a CUDA device adds to the environment (the facts are arguments, so any machine can check them).
+
+    Args:
+        device_name: the GPU's name (`torch.cuda.get_device_name`).
+        cuda: the CUDA version torch was built with.
+        cudnn: cuDNN's version number, None without cuDNN.
+        settings: the reproducibility switches in force (`reproducibility.cuda_settings()`).
+
+    Returns:
+        `device_name`, `cuda`, `cudnn` and each of `settings.to_json()`'s entries.
+    """
+    return {"device_name": device_name, "cuda": cuda, "cudnn": cudnn, **settings.to_json()}
 
 
 def compute_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, chunk_size: int) -> Fingerprint:
@@ -204,6 +236,9 @@ def check_fingerprint(stored: Fingerprint, current: Fingerprint, allow_environme
     if env_diff and not allow_environment_mismatch:
         late = current.environment.get("mkl_cbwr") == "OFF" and stored.environment.get("mkl_cbwr") not in (None, "OFF")
         hint = " (import kvgraft before torch computes anything, so that MKL starts in CNR mode)" if late else ""
+        made_on, run_on = stored.environment.get("device"), current.environment.get("device")
+        if made_on != run_on and isinstance(made_on, str):
+            hint = f" (the graft was made on {made_on}, this run is on {run_on}: run on {made_on} to use it exactly)"
         raise EnvironmentMismatchError(
             "numeric environment differs (graft vs this run: "
             + "; ".join(env_diff)

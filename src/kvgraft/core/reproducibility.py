@@ -17,6 +17,14 @@ machine can run any count: `threads(n)` runs a block at a graft's count, so that
 exactly instead of being refused. OpenMP and MKL keep the count per OS thread; torch hands its last count to OS
 threads started later, and a thread that computes (the server's model worker) pins its own.
 
+On a CUDA device (`configure_cuda()`, called when a model is first put on one) kvgraft also asks for deterministic
+algorithms, the cuBLAS workspace setting they need (`CUBLAS_WORKSPACE_CONFIG`, which cuBLAS reads when its first
+handle is made: `configure()` sets it at import, before anything can start CUDA), cuDNN without autotuning, and
+TF32 off (TF32 rounds fp32 matmul inputs to 10 mantissa bits, on some GPUs only). `cuda_settings()` reads these
+back, with the scaled-dot-product-attention backends torch may pick from, and CUDA fingerprints record them.
+They are process-wide switches, so the CPU (whose fingerprint does not record them) is left alone until CUDA is
+asked for.
+
 `settings()` reads back what the libraries actually use. The fingerprint's `environment` records it, so a graft
 built under other settings (or in a process where MKL started before kvgraft could set them) is refused like any
 other environment difference.
@@ -29,6 +37,7 @@ import ctypes
 import functools
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +52,10 @@ MAX_THREADS = 1024
 # routines (the GEMMs among them) independent of the thread count.
 MKL_CBWR = "AUTO,STRICT"
 ENVIRONMENT = {"MKL_CBWR": MKL_CBWR, "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""cuBLAS's workspace setting under which its GEMMs are deterministic (what torch asks for in deterministic mode)."""
+CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+SDPA_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
 
 # mkl_cbwr_get(MKL_CBWR_ALL) values (mkl_cbwr.h)
 _CBWR_BRANCHES = {
@@ -68,6 +81,8 @@ def configure() -> None:
     are recorded in the fingerprint like any other, so grafts made under different ones are refused."""
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    # Read by cuBLAS when CUDA first makes a handle, which may happen before any kvgraft code sees a device.
+    os.environ.setdefault(CUBLAS_ENV, CUBLAS_WORKSPACE_CONFIG)
     # Pins MKL's and OpenMP's thread count and turns MKL's dynamic threading off. A malformed $KVGRAFT_THREADS
     # is not an import error: the CLI reports it when a command resolves its thread count.
     try:
@@ -233,3 +248,72 @@ def _mkl_dynamic() -> bool | str:
 def _omp_dynamic() -> bool | str:
     get = _symbol("libgomp.so.1", "omp_get_dynamic")
     return bool(get()) if get is not None else "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaSettings:
+    """The switches that decide whether CUDA arithmetic repeats bit for bit, as the process has them now."""
+
+    deterministic_algorithms: bool
+    """`torch.are_deterministic_algorithms_enabled()`: nondeterministic kernels raise instead of running."""
+    cublas_workspace_config: str
+    """$CUBLAS_WORKSPACE_CONFIG ("none" when unset): `:4096:8` or `:16:8` make cuBLAS deterministic."""
+    tf32_matmul: bool
+    """`torch.backends.cuda.matmul.allow_tf32`: fp32 matmuls rounded to TF32 (off for kvgraft)."""
+    tf32_cudnn: bool
+    """`torch.backends.cudnn.allow_tf32` (off for kvgraft)."""
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+    """cuDNN autotuning, which may pick another kernel from run to run (off for kvgraft)."""
+    sdpa_backends: tuple[str, ...]
+    """The scaled-dot-product-attention backends torch may choose from, of `SDPA_BACKENDS`."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The fingerprint's entries: the fields by name, `sdpa_backends` as a list."""
+        return {
+            "deterministic_algorithms": self.deterministic_algorithms,
+            "cublas_workspace_config": self.cublas_workspace_config,
+            "tf32_matmul": self.tf32_matmul,
+            "tf32_cudnn": self.tf32_cudnn,
+            "cudnn_deterministic": self.cudnn_deterministic,
+            "cudnn_benchmark": self.cudnn_benchmark,
+            "sdpa_backends": list(self.sdpa_backends),
+        }
+
+
+def configure_cuda() -> None:
+    """Make CUDA arithmetic repeatable (idempotent): deterministic algorithms, cuBLAS's deterministic workspace,
+    cuDNN deterministic and not autotuned, TF32 off. Called before a model is put on a CUDA device.
+
+    A $CUBLAS_WORKSPACE_CONFIG the user set is kept (and recorded). The SDPA backends are left as torch chooses:
+    their forward passes are deterministic, and which ones were allowed is recorded.
+    """
+    import torch
+
+    os.environ.setdefault(CUBLAS_ENV, CUBLAS_WORKSPACE_CONFIG)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def cuda_settings() -> CudaSettings:
+    """The CUDA reproducibility switches as they are now (readable on any build of torch, with or without CUDA)."""
+    import torch
+
+    enabled = {
+        "flash": torch.backends.cuda.flash_sdp_enabled(),
+        "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "math": torch.backends.cuda.math_sdp_enabled(),
+        "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+    }
+    return CudaSettings(
+        deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+        cublas_workspace_config=os.environ.get(CUBLAS_ENV, "none"),
+        tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+        tf32_cudnn=bool(torch.backends.cudnn.allow_tf32),
+        cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+        sdpa_backends=tuple(name for name in SDPA_BACKENDS if enabled[name]),
+    )

@@ -44,7 +44,7 @@ from kvgraft.format.blocks import assemble, block_digest, block_keys
 from kvgraft.format.manifest import NEXT_LOGITS_NAME, BlockRef, Manifest
 from kvgraft.format.metadata import with_default_summary
 from kvgraft.format.receipt import Composition, CompositionMode, Receipt
-from kvgraft.models.loading import DEFAULT_DTYPE, load_model, max_positions
+from kvgraft.models.loading import DEFAULT_DEVICE, load_model, max_positions
 from kvgraft.store import GraftStore, open_store
 from kvgraft.store.cache import CachedStore
 from kvgraft.store.redis_tier import with_shared_cache
@@ -213,8 +213,8 @@ class Engine:
     def load(
         cls,
         spec: str,
-        dtype: str = DEFAULT_DTYPE,
-        device: str = "cpu",
+        dtype: str | None = None,
+        device: str = DEFAULT_DEVICE,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         store: str | GraftStore | None = None,
         allow_environment_mismatch: bool = False,
@@ -222,7 +222,9 @@ class Engine:
         shared_cache: str | None = None,
     ) -> Engine:
         """`shared_cache` (redis://HOST:PORT/DB) puts a Redis tier shared between processes in front of the store;
-        `cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of that (this process's RAM first)."""
+        `cache_bytes` puts an LRU of restored grafts, bounded in bytes, in front of that (this process's RAM first).
+        `device` is cpu, cuda, cuda:N or mps (BadInputError for another name or one this machine lacks); `dtype`
+        None is the device's default (bfloat16 on CUDA, float32 elsewhere)."""
         graft_store: GraftStore = store if store is not None and not isinstance(store, str) else open_store(store)
         graft_store = with_shared_cache(graft_store, shared_cache)  # before the model loads: a bad URL fails at once
         model, tokenizer = load_model(spec, dtype=dtype, device=device)

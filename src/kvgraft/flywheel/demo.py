@@ -52,7 +52,11 @@ class DemoReport:
 
 
 def run_demo(
-    store: Path, model: str = DEMO_MODEL, max_new_tokens: int = 32, on_chunk: ChunkCallback | None = None
+    store: Path,
+    model: str = DEMO_MODEL,
+    max_new_tokens: int = 32,
+    on_chunk: ChunkCallback | None = None,
+    device: str = "cpu",
 ) -> DemoReport:
     """Build a graft of the bundled text, generate after it, and verify the graft and the run against fresh ones.
 
@@ -61,11 +65,12 @@ def run_demo(
         model: the model spec.
         max_new_tokens: the most tokens to generate.
         on_chunk: progress callback for the build.
+        device: where the model runs (cpu, cuda, cuda:N, mps).
 
     Returns:
         The report.
     """
-    engine = Engine.load(model, store=str(store))
+    engine = Engine.load(model, store=str(store), device=device)
     t0 = time.perf_counter()
     put = engine.put(bundled_text(), metadata={"title": "demo text"}, on_chunk=on_chunk)
     build_s = time.perf_counter() - t0

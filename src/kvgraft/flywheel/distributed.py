@@ -105,6 +105,8 @@ class EngineSpec:
     allow_env_mismatch: bool = False
     threads: int = 1
     """torch's thread count: part of the fingerprint, so the driver's"""
+    device: str = "cpu"
+    """the driver's device (cpu, cuda:N, mps): part of the fingerprint too"""
 
     @classmethod
     def of(
@@ -129,6 +131,7 @@ class EngineSpec:
             shared_cache=shared_cache,
             allow_env_mismatch=allow_env_mismatch,
             threads=reproducibility.current_threads(),
+            device=str(engine.model.device),
         )
 
 
@@ -161,6 +164,7 @@ class Worker:
             self.engine = Engine.load(
                 spec.model,
                 dtype=spec.dtype,
+                device=spec.device,
                 chunk_size=spec.chunk_size,
                 store=spec.store,
                 allow_environment_mismatch=spec.allow_env_mismatch,
