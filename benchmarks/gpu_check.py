@@ -45,10 +45,12 @@ from kvgraft.engine.verify import verify_graft
 from kvgraft.flywheel.datasets import load_dataset
 from kvgraft.flywheel.energy import EnergyMeter
 from kvgraft.flywheel.problems import prompt_of
-from kvgraft.models.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer
+from kvgraft.models.byte_tokenizer import build_byte_tokenizer
 from kvgraft.models.loading import resolve_device
 from kvgraft.models.random_models import RANDOM_ARCHS
 from kvgraft.store import LocalStore
+
+from _shapes import byte_llama_config
 
 EXACTNESS_TEXT = (
     "Grafts keep the state of a model after it has read a text, so that the text need not be read again. "
@@ -79,33 +81,13 @@ def llama_8b_like(layers: int, max_positions: int, dtype: torch.dtype, device: t
     Returns:
         The model in eval mode.
     """
-    config = _llama_config(4096, 14336, layers, 32, 8, 128, max_positions)
+    config = byte_llama_config(4096, 14336, layers, 32, 8, 128, max_positions)
     return _build_on(config, dtype, device)
 
 
 def tiny_llama(layers: int, max_positions: int, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """The same architecture at toy sizes, for --smoke."""
-    return _build_on(_llama_config(64, 128, layers, 4, 2, 16, max_positions), dtype, device)
-
-
-def _llama_config(
-    hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, head_dim: int, max_positions: int
-) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_positions,
-        rope_theta=500000.0,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        tie_word_embeddings=True,
-    )
+    return _build_on(byte_llama_config(64, 128, layers, 4, 2, 16, max_positions), dtype, device)
 
 
 def _build_on(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:

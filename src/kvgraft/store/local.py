@@ -208,6 +208,8 @@ class LocalStore:
             raise StoreError(f"cannot repair graft in {self.root}: {exc.strerror or exc}") from None
 
     def _replace_file(self, path: Path, data: bytes) -> None:
+        """Write `path` whole or not at all: a temporary file under tmp/, fsynced, renamed over it (the caller
+        holds the lock, under which gc clears tmp/)."""
         fd, tmp = tempfile.mkstemp(prefix=f"{path.name}-", dir=self.root / "tmp")
         try:
             with os.fdopen(fd, "wb") as handle:
@@ -288,22 +290,12 @@ class LocalStore:
                 f"block {ref.key[:12]} is neither stored nor given (removed while the graft was being built?); "
                 "build the graft again"
             )
-        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix="block-", suffix=BLOCK_SUFFIX, dir=self.root / "tmp")
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(block_file_bytes(tensors, ref.sha256))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)  # a concurrent writer of the same block writes the same bytes
-            tmp = None
-            _fsync_dir(path.parent)
+            # A concurrent writer of the same block writes the same bytes; a full disk keeps no half-written block.
+            self._replace_file(path, block_file_bytes(tensors, ref.sha256))
         except OSError as exc:
             raise StoreError(f"cannot write block to {self.root}: {exc.strerror or exc}") from None
-        finally:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)  # a full disk keeps no half-written block
         return not existed
 
     def ids(self) -> list[GraftId]:
