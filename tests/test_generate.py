@@ -33,6 +33,22 @@ def test_stop_strings_and_max_new_tokens(make_engine: EngineFactory) -> None:
     assert verify_receipt(engine, stopped.receipt).exact
 
 
+def test_stop_token_ids_end_decoding_and_travel_in_the_receipt(make_engine: EngineFactory) -> None:
+    engine = make_engine("random:llama")
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.7, seed=1)
+    base = engine.generate("Once upon a time", params=sampled)
+    assert "stop_token_ids" not in base.receipt.sampling.to_json()  # older receipts keep their ids
+    stop_at = base.output_tokens[4]
+    first = base.output_tokens.index(stop_at)
+    params = SamplingParams(12, 0.7, 1.0, 1, stop_token_ids=(stop_at,))
+    stopped = engine.generate("Once upon a time", params=params)
+    assert stopped.stop_reason == "stop"
+    assert stopped.output_tokens == base.output_tokens[: first + 1]
+    assert stopped.receipt.sampling.to_json()["stop_token_ids"] == [stop_at]
+    assert stopped.receipt.sampling == params
+    assert verify_receipt(engine, stopped.receipt).exact
+
+
 def test_streaming_callback_sees_every_token(make_engine: EngineFactory) -> None:
     engine = make_engine()
     seen: list[int] = []

@@ -28,7 +28,7 @@ from kvgraft.core.schedule import ChunkCallback, ChunkSchedule, decode_step, for
 TokenCallback = Callable[[int], None]
 
 StopReason = Literal["eos", "stop", "length"]
-"""Why decoding ended: the model's end-of-sequence token, a stop string, or `max_new_tokens`."""
+"""Why decoding ended: the model's end-of-sequence token, a stop string or stop token, or `max_new_tokens`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,13 +211,16 @@ def stop_reason(
         tokens: the output tokens so far (at least one).
         tokenizer: decodes them, to look for stop strings.
         eos: the end-of-sequence token id, if the tokenizer has one.
-        params: the stop strings and `max_new_tokens`.
+        params: the stop strings, stop token ids and `max_new_tokens`.
 
     Returns:
-        "eos", "stop" or "length", checked in that order; None while none applies.
+        "eos", "stop" (a stop token id, or a stop string in the text) or "length", checked in that order; None
+        while none applies.
     """
     if eos is not None and tokens[-1] == eos:
         return "eos"
+    if tokens[-1] in params.stop_token_ids:
+        return "stop"
     if params.stop and _stop_cut(_text_of(tokenizer, tokens), params.stop) is not None:
         return "stop"
     if len(tokens) >= params.max_new_tokens:

@@ -15,15 +15,23 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """token ids that end decoding besides the tokenizer's EOS (a chat model's end of turn); the token is kept in
+    the output tokens, and the text skips it like any special token"""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """Returns: the parameters as receipts hold them (`stop_token_ids` only when there are any, so that a
+        receipt written before they existed keeps its id)."""
+        data: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": list(self.stop),
         }
+        if self.stop_token_ids:
+            data["stop_token_ids"] = list(self.stop_token_ids)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SamplingParams:
@@ -33,4 +41,5 @@ class SamplingParams:
             top_p=float(data["top_p"]),
             seed=int(data["seed"]),
             stop=tuple(str(s) for s in data["stop"]),
+            stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
         )
