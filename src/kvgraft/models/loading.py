@@ -6,11 +6,22 @@ Also the device a model runs on: `cpu` (the default), `cuda`, `cuda:N` or `mps`,
 
 from __future__ import annotations
 
+import os
+import pickle
 import re
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors import SafetensorError
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from kvgraft.core import reproducibility
 from kvgraft.core.errors import BadInputError, NotFoundError
@@ -143,8 +154,11 @@ def load_model(
         The model and its tokenizer.
 
     Raises:
-        BadInputError: an unknown dtype, device or random model; a device this machine does not have.
-        NotFoundError: a model directory or hub id that does not load.
+        BadInputError: an unknown dtype, device or random model; a device this machine does not have; a local path
+            that is a file, or a directory that is not a causal language model with its tokenizer and weights; a hub
+            model that is not a causal language model.
+        NotFoundError: a local model directory that does not exist (the hub is not asked), or a hub id that does
+            not load.
     """
     torch_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype if dtype else default_dtype(torch_device))
@@ -177,16 +191,145 @@ def _load_random(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTra
     return model, build_byte_tokenizer()
 
 
+_HUB_ID_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
+"""A hub id's shape: `name` or `namespace/name` (the hub's own rule, less its length and `--`/`..` limits)"""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""Any of these makes a directory one AutoTokenizer may load (the first two are what save_pretrained writes)"""
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, SafetensorError, pickle.UnpicklingError)
+"""What a malformed checkpoint makes transformers, torch or safetensors raise (a one-line message is made of it)"""
+
+
+def is_local_spec(spec: str) -> bool:
+    """Whether a model spec names a local path rather than a hub id.
+
+    A path that exists is local; so is one that starts with `.`, `~` or a path separator, or that cannot be a hub
+    id (`name` or `namespace/name` of letters, digits, `_`, `-` and `.`: two `/` or a backslash make a path). A
+    missing `namespace/name` is a hub id, as transformers reads it.
+
+    Args:
+        spec: a model spec other than `demo` and `random:...`.
+
+    Returns:
+        True for a local path.
+    """
+    if spec.startswith((".", "~", "/", os.sep)) or (os.altsep is not None and spec.startswith(os.altsep)):
+        return True
+    if _HUB_ID_PATTERN.fullmatch(spec) is None:
+        return True
+    return Path(spec).exists()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type's name when the message is empty)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_causal(spec: str, config: PretrainedConfig) -> None:
+    """Refuse a config that is not a causal language model before any weight loads.
+
+    Args:
+        spec: the model spec, as the user gave it (for the message).
+        config: the model's config.
+
+    Raises:
+        BadInputError: AutoModelForCausalLM has no class for the config, or the config is an encoder's (BERT and
+            its kin map to a causal-LM head, but attend both ways unless `is_decoder` is set).
+    """
+    kind = type(config).__name__
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise BadInputError(
+            f"model {spec} is not a causal language model (its config is {kind}); "
+            "kvgraft needs one that AutoModelForCausalLM loads"
+        )
+    # Only configs of models that can be either side carry `is_decoder`; an encoder-decoder's causal-LM class
+    # takes its decoder, so only a plain encoder is refused.
+    if getattr(config, "is_decoder", True) is False and not getattr(config, "is_encoder_decoder", False):
+        raise BadInputError(
+            f"model {spec} is not a causal language model (its config is {kind}, an encoder: is_decoder is false); "
+            "kvgraft needs one that AutoModelForCausalLM loads as a decoder"
+        )
+
+
+def _check_local_dir(spec: str, path: Path) -> None:
+    """Check a local model directory from its files and config alone, before any tokenizer or weight loads.
+
+    Args:
+        spec: the model spec, as the user gave it (for the messages).
+        path: the directory it names (`~` expanded).
+
+    Raises:
+        NotFoundError: the path does not exist.
+        BadInputError: it is not a directory, or has no readable config.json, no tokenizer or no weights, or its
+            config is not a causal language model.
+    """
+    if not path.exists():
+        raise NotFoundError(f"model directory {spec} does not exist")
+    if not path.is_dir():
+        raise BadInputError(f"model {spec} is a file, not a directory; give the directory that holds config.json")
+    if not (path / "config.json").is_file():
+        raise BadInputError(f"model directory {spec} has no config.json; it is not a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"model directory {spec} has a config.json that does not load: {_first_line(exc)}") from exc
+    _check_causal(spec, config)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise BadInputError(
+            f"model directory {spec} has no tokenizer (tokenizer.json or tokenizer_config.json); "
+            "save the tokenizer beside the weights"
+        )
+    if not any(next(path.glob(pattern), None) is not None for pattern in _WEIGHT_PATTERNS):
+        raise BadInputError(f"model directory {spec} has no weights (model.safetensors or pytorch_model.bin)")
+
+
 def _load_pretrained(
     spec: str, dtype: torch.dtype, attn_implementation: str | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a local model directory or a hub id; every failure is one line that names the spec and the fault.
+
+    Args:
+        spec: a local model directory or a hub id.
+        dtype: the weights' dtype.
+        attn_implementation: transformers' attention implementation; None for the model's default.
+
+    Returns:
+        The model (on the CPU) and its tokenizer.
+
+    Raises:
+        NotFoundError: a local path that does not exist (the hub is never asked), or a hub id that does not load.
+        BadInputError: a local path that is not a causal LM directory (see `_check_local_dir`) or whose tokenizer
+            or weights do not load; a hub model that is not a causal language model.
+    """
+    if not spec.strip():
+        raise BadInputError("model is empty; give a model directory, a hub id, random:<arch> or demo")
+    if is_local_spec(spec):
+        # transformers does not expand `~`; every other spelling is passed on as given (it becomes name_or_path).
+        source = str(Path(spec).expanduser()) if spec.startswith("~") else spec
+        _check_local_dir(spec, Path(source))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except _LOAD_ERRORS as exc:
+            raise BadInputError(
+                f"model directory {spec} has a tokenizer that does not load: {_first_line(exc)}"
+            ) from exc
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+        except _LOAD_ERRORS as exc:
+            raise BadInputError(f"model directory {spec} has weights that do not load: {_first_line(exc)}") from exc
+        return model, tokenizer
+    where = "model id (no such local directory; hub access may be offline)"
+    try:
+        config = AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as exc:
+        raise NotFoundError(f"cannot load model {spec!r} as a {where}: {_first_line(exc)}") from exc
+    _check_causal(spec, config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, ValueError) as exc:
-        where = "directory" if Path(spec).exists() else "model id (no such local directory; hub access may be offline)"
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NotFoundError(f"cannot load model {spec!r} as a {where}: {first_line}") from exc
+        raise NotFoundError(f"cannot load model {spec!r} as a {where}: {_first_line(exc)}") from exc
     return model, tokenizer
 
 
