@@ -25,7 +25,9 @@ def test_demo_quick_runs_the_flywheel_and_every_receipt_verifies(tmp_path: Path)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     rungs = data["rungs"]
-    assert set(rungs) == {"bare", "grafted", "gated"}
+    assert list(rungs) == ["bare", "code", "grafted", "gated"]
+    # Every code answer's program ran in the sandbox (or there was none), each outcome counted.
+    assert sum(data["code_outcomes"].values()) == 10
     for rung in rungs.values():
         assert set(rung) == {"seen", "unseen", "all"}
         for cell in rung.values():
@@ -37,7 +39,8 @@ def test_demo_quick_runs_the_flywheel_and_every_receipt_verifies(tmp_path: Path)
     # Replay restores the verified reasoning: on seen problems only the answer is decoded.
     assert rungs["grafted"]["seen"]["decode_tokens_mean"] * 8 <= rungs["bare"]["seen"]["decode_tokens_mean"]
     assert rungs["grafted"]["seen"]["accuracy"] >= 0.8
-    assert data["receipts"]["total"] >= seen and data["receipts"]["verified"] == data["receipts"]["total"]
+    # Receipts: every code answer's and every grafted answer's.
+    assert data["receipts"]["total"] >= 10 + seen and data["receipts"]["verified"] == data["receipts"]["total"]
     report = Path(data["report"])
     assert report.is_file() and (report.parent / "ladder.png").is_file() and (report.parent / "tokens.png").is_file()
     assert json.loads((report.parent / "results.json").read_text())["rungs"] == rungs

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvgraft.core.errors import BadInputError
 from kvgraft.core.hashing import sha256_token_ids
 from kvgraft.engine.verify import verify_graft
 from kvgraft.flywheel.bench import (
@@ -13,10 +14,12 @@ from kvgraft.flywheel.bench import (
     AnswerPath,
     Gate,
     LadderFacts,
+    LadderOptions,
     ProblemResult,
     ReceiptTally,
     Rung,
     Split,
+    Tally,
     Upstream,
     run_ladder,
     summarize,
@@ -25,7 +28,9 @@ from kvgraft.flywheel.datasets import Item, load_dataset
 from kvgraft.flywheel.energy import EnergyReading
 from kvgraft.flywheel.harvest import HarvestRecord, HarvestSummary, build_blocks, import_solutions, replay_text
 from kvgraft.flywheel.problems import prompt_of
-from kvgraft.flywheel.stats import wilson_interval
+from kvgraft.flywheel.prompting import PlainPrompter
+from kvgraft.flywheel.sandbox import SandboxLimits
+from kvgraft.flywheel.stats import mean_interval, wilson_interval
 from kvgraft.format.metadata import GraftKind, GraftMetadata, HarvestCost, SolutionSource
 from kvgraft.library.library import Library, jaccard
 
@@ -201,3 +206,70 @@ def test_summary_json_has_the_documented_shape_and_figures() -> None:
         "problems_tried": 1, "verified": 1, "attempts": 3, "tokens_generated": 90, "wall_s": 2.0,
     }  # fmt: skip
     assert labelled["harvest"]["replay_grafts"] == ["g"] and labelled["harvest"]["blocks"] == ["b"]
+
+
+def test_code_rung_runs_each_program_in_the_sandbox_and_counts_outcomes(make_engine: EngineFactory) -> None:
+    engine = make_engine("random:gemma4")
+    items = _exam(3)
+    records = import_solutions(engine, items[:2])
+    build_blocks(engine, records, items)
+    options = LadderOptions(budget=6, code=SandboxLimits(wall_s=5.0))
+    results, facts = run_ladder(engine, items, Library.from_store(engine.store), options=options)
+    codes = [r.code for r in results]
+    assert all(c is not None and c.path is AnswerPath.CODE and c.program is not None for c in codes)
+    # A random model writes no program worth the name: each is "no answer", counted by how it ended, never raised.
+    outcomes = [c.program.outcome for c in codes if c is not None and c.program is not None]
+    assert set(outcomes) <= {"no_program", "error", "no_output", "ok"}
+    assert all(c is not None and c.receipt_id is not None and c.receipt_verified for c in codes)
+    assert facts.receipts.total == facts.receipts.verified == 3 + 3  # the code and grafted answers' receipts
+    summary = summarize(results, 6, facts, Gate(), options=options)
+    assert summary.rung_order == [Rung.BARE, Rung.CODE, Rung.GRAFTED, Rung.GATED]
+    assert sum((summary.code_outcomes or {}).values()) == 3
+    assert summary.cell(Rung.CODE, Split.ALL).n == 3
+    data = summary.to_json()
+    assert list(data["rungs"]) == ["bare", "code", "grafted", "gated"]
+    assert data["problems"][0]["code"]["program"]["outcome"] == outcomes[0]
+    assert "program" not in data["problems"][0]["bare"]
+
+
+def test_plain_programs_are_read_from_the_line_the_model_writes() -> None:
+    prompter = PlainPrompter()
+    assert prompter.code_prompt("Ada has 3 pens. How many pens now?") == "Q:Ada has 3 pens. How many pens now?\nCode:"
+    assert prompter.program("print(34+3*5-2)") == "print(34+3*5-2)"
+    assert prompter.program("  \n") is None
+    assert prompter.program("```python\nx = 2\nprint(x)\n```") == "x = 2\nprint(x)\n"
+
+
+def test_samples_give_mean_accuracy_an_interval_over_problems_and_pass_at_k(make_engine: EngineFactory) -> None:
+    engine = make_engine("random:gemma4")
+    items = _exam(3)
+    options = LadderOptions(budget=4, samples=2, temperature=0.8)
+    results, facts = run_ladder(engine, items, Library.from_store(engine.store), options=options)
+    assert [(r.id, r.sample) for r in results] == [(i.id, s) for i in items for s in (0, 1)]
+    assert results[0].bare.receipt_id is None and results[0].grafted.path is AnswerPath.BARE
+    summary = summarize(results, 4, facts, Gate(), options=options)
+    cell = summary.cell(Rung.BARE, Split.ALL)
+    assert cell.n == 6 and cell.samples == 2 and len(cell.per_problem_correct) == 3
+    assert cell.to_json()["samples"] == 2 and cell.to_json()["problems"] == 3
+    with pytest.raises(BadInputError, match="more than one sample needs a temperature above 0"):
+        run_ladder(engine, items, Library.from_store(engine.store), options=LadderOptions(samples=2))
+
+
+def test_tally_with_samples_counts_pass_at_k_and_a_problem_level_interval() -> None:
+    def answers(*correct: bool) -> list[Answer]:
+        return [_answer(AnswerPath.BARE, c, 1) for c in correct]
+
+    # Three problems, two samples each: right twice, once, never.
+    tally = Tally.of(answers(True, True, True, False, False, False), samples=2)
+    assert (tally.correct, tally.n, tally.per_problem_correct) == (3, 6, (2, 1, 0))
+    assert tally.accuracy == 0.5 and tally.pass_at_k == 2 / 3
+    assert tally.ci95 == mean_interval([1.0, 0.5, 0.0])
+    assert tally.ci95 == (0.0, 1.0)  # 0.5 +- 1.96 * 0.5 / sqrt(3), clipped to [0, 1]
+    low, high = mean_interval([1.0, 0.5, 0.5])
+    half = 1.959964 * (1 / 12) ** 0.5 / 3**0.5  # the per-problem values' sample variance is 1/12
+    assert (low, high) == (pytest.approx(2 / 3 - half), pytest.approx(2 / 3 + half))
+    one = Tally.of(answers(True, False))
+    assert one.pass_at_k is None and one.ci95 == wilson_interval(1, 2) and "pass_at_k" not in one.to_json()
+    # Every problem at the same accuracy: no spread to measure, so Wilson's interval over problems.
+    assert mean_interval([1.0, 1.0, 1.0]) == wilson_interval(3, 3)
+    assert mean_interval([]) == (0.0, 1.0)

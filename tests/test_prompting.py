@@ -13,8 +13,9 @@ from kvgraft.core.hashing import sha256_bytes, sha256_token_ids
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.engine.verify import verify_receipt
+from kvgraft.flywheel.bench import AnswerPath, Gate, LadderOptions, run_ladder, summarize
 from kvgraft.flywheel.datasets import Item
-from kvgraft.flywheel.harvest import replay_text
+from kvgraft.flywheel.harvest import import_solutions, replay_text
 from kvgraft.flywheel.problems import STOP, exam_problems, prompt_of
 from kvgraft.flywheel.prompting import (
     DEFAULT_BOXED_INSTRUCTION,
@@ -23,8 +24,10 @@ from kvgraft.flywheel.prompting import (
     ChatSettings,
     PlainPrompter,
     PromptFormat,
+    PromptSpec,
     make_prompter,
 )
+from kvgraft.flywheel.sandbox import SandboxLimits
 from kvgraft.format.metadata import HarvestCost, ReplayMetadata, SolutionSource
 from kvgraft.library.library import Library
 from kvgraft.models.instruct_fixture import build_instruct_tokenizer, save_random_instruct_model
@@ -185,3 +188,57 @@ def test_an_end_of_turn_token_other_than_eos_is_a_stop_token() -> None:
     eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     assert eot != tokenizer.eos_token_id
     assert prompter.stop.token_ids == (eot, tokenizer.eos_token_id)
+
+
+def _boxed_items(n: int) -> list[Item]:
+    """Exam problems whose worked solutions end in `\\boxed{N}`, as the public sets write them."""
+    return [
+        Item(p.id, p.text, str(p.answer), f"{p.solution.split('. Answer:')[0]}, so \\boxed{{{p.answer}}}")
+        for p in exam_problems()[:n]
+    ]
+
+
+def test_the_chat_format_through_harvest_and_the_ladder(engine: Engine) -> None:
+    items = _boxed_items(3)
+    chat = PromptSpec.of("chat")
+    records = import_solutions(engine, items[:2], prompt=chat)
+    assert [r.verified for r in records] == [True, True]
+    manifest = engine.store.manifest(records[0].graft_id or "")
+    assert manifest.metadata["prompt_format"] == "chat"
+    prompter = chat.bind(engine.tokenizer, engine.model_name)
+    assert engine.tokenizer.decode(manifest.tokens, skip_special_tokens=False).endswith("\\boxed{")
+    library = Library.from_store(engine.store)
+    assert library.find_replay_by_problem(items[0].text_sha256, "chat") == records[0].graft_id
+    assert library.find_replay_by_problem(items[0].text_sha256) is None  # not a plain-format graft
+    options = LadderOptions(budget=6, prompt=chat, code=SandboxLimits(wall_s=5.0))
+    results, facts = run_ladder(engine, items, library, options=options)
+    assert [r.grafted.path for r in results] == [AnswerPath.REPLAY, AnswerPath.REPLAY, AnswerPath.BARE]
+    assert [r.seen for r in results] == [True, True, False]
+    assert facts.receipts.total == facts.receipts.verified == 2 + 3  # replays, and every code answer
+    # The chat format stops at the end of turn: a stop token, recorded in every receipt.
+    assert all(r.sampling.stop_token_ids == prompter.stop.token_ids for r in facts.receipts.kept)
+    summary = summarize(results, 6, facts, Gate(), options=options)
+    assert summary.to_json()["prompt"]["format"] == "chat"
+
+
+def test_a_replay_is_found_by_problem_hash_when_its_prompt_tokens_differ(engine: Engine) -> None:
+    # Harvested under another system prompt: the prompt tokens differ, the problem and the format do not.
+    items = _boxed_items(1)
+    records = import_solutions(engine, items, prompt=PromptSpec.of("chat", system_prompt="Be brief."))
+    asked = PromptSpec.of("chat")
+    prompter = asked.bind(engine.tokenizer, engine.model_name)
+    library = Library.from_store(engine.store)
+    assert library.find_replay(engine.encode_context(prompter.prompt(items[0].problem))) is None
+    results, facts = run_ladder(engine, items, library, options=LadderOptions(budget=4, prompt=asked))
+    assert results[0].grafted.path is AnswerPath.REPLAY and results[0].grafted.graft_id == records[0].graft_id
+    assert facts.receipts.verified == 1
+
+
+def test_prompt_specs_refuse_what_does_not_fit() -> None:
+    with pytest.raises(BadInputError, match=r"^unknown prompt format 'xml'; choose one of plain, chat$"):
+        PromptSpec.of("xml")
+    with pytest.raises(BadInputError, match=r"^--system-prompt and --answer-instruction go with --prompt-format chat$"):
+        PromptSpec.of("plain", system_prompt="x")
+    spec = PromptSpec.of("chat", system_prompt="", instruction="Answer in \\boxed{}.")
+    assert spec.settings.system_prompt == "" and spec.to_json()["instruction"] == "Answer in \\boxed{}."
+    assert PromptSpec().to_json() == {"format": "plain"}

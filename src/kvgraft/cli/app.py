@@ -33,6 +33,7 @@ for name, command in (
     ("harvest", flywheel.harvest),
     ("bench", flywheel.bench),
     ("demo", flywheel.demo),
+    ("replicate", flywheel.replicate),
     ("serve", serve.serve),
 ):
     app.command(name)(handle_errors(command))

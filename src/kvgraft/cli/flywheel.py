@@ -1,4 +1,5 @@
-"""The flywheel commands: harvest verified solutions into a store, bench the ladder on it, and the demo of both."""
+"""The flywheel commands: harvest verified solutions into a store, bench the ladder on it, the demo of both, and
+`replicate`, the published protocol in one command."""
 
 from __future__ import annotations
 
@@ -13,30 +14,64 @@ from rich.table import Table
 
 from kvgraft.cli.engines import load_engine
 from kvgraft.cli.options import (
+    AnswerInstructionOpt,
     CpusPerWorkerOpt,
     DeviceOpt,
     JsonOpt,
     ModelOpt,
+    PromptFormatOpt,
     RayAddressOpt,
     SharedCacheOpt,
     StoreOpt,
+    SystemPromptOpt,
     ThreadsOpt,
     TrustedKeysOpt,
     WorkersOpt,
     apply_threads,
 )
-from kvgraft.cli.output import emit, out, progress
+from kvgraft.cli.output import emit, out, progress, progress_with_tokens
 from kvgraft.engine.engine import Engine
 from kvgraft.models.loading import resolve_device
 
 if TYPE_CHECKING:
     from kvgraft.flywheel.bench import BenchSummary
+    from kvgraft.flywheel.prompting import PromptSpec
+
+DatasetOpt = Annotated[
+    str, typer.Option("--dataset", "-d", help="demo, aime2025, aime2024, amc2023, math500, or a JSONL path.")
+]
+SamplesOpt = Annotated[
+    int,
+    typer.Option(
+        "--samples",
+        min=1,
+        help="Answers per problem on every rung (MathArena protocol: mean accuracy, 95% interval, pass@k); "
+        "above 1 needs --bench-temperature above 0.",
+    ),
+]
+BenchTemperatureOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--bench-temperature",
+        min=0.0,
+        help="The ladder's sampling temperature (default: 0, greedy; 0.6 with --samples above 1).",
+    ),
+]
+CodeOpt = Annotated[
+    bool,
+    typer.Option("--code/--no-code", help="The code rung: the model writes a program, run in the sandbox."),
+]
+
+
+def _bench_temperature(samples: int, temperature: float | None) -> float:
+    """The ladder's temperature: as given, else greedy for one sample and 0.6 (MathArena's usual) for several."""
+    if temperature is not None:
+        return temperature
+    return 0.6 if samples > 1 else 0.0
 
 
 def harvest(
-    dataset: Annotated[
-        str, typer.Option("--dataset", "-d", help="demo, aime2025, aime2024, amc2023, math500, or a JSONL path.")
-    ] = "demo",
+    dataset: DatasetOpt = "demo",
     solutions: Annotated[
         str | None,
         typer.Option(
@@ -68,6 +103,9 @@ def harvest(
     cpus_per_worker: CpusPerWorkerOpt = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
+    prompt_format: PromptFormatOpt = "plain",
+    system_prompt: SystemPromptOpt = None,
+    answer_instruction: AnswerInstructionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Solve, verify, store: replay grafts of verified solutions (and context blocks), with their upstream cost."""
@@ -77,26 +115,41 @@ def harvest(
     from kvgraft.flywheel.distributed import EngineSpec, RaySettings, WorkerPool
     from kvgraft.flywheel.harvest import HarvestSummary, build_blocks, import_solutions
     from kvgraft.flywheel.harvest import harvest as run_harvest
+    from kvgraft.flywheel.prompting import PromptSpec
 
     if not ray and (ray_address, workers, cpus_per_worker) != (None, None, None):
         raise BadInputError("--ray-address, --workers and --cpus-per-worker go with --ray")
-    settings = RaySettings.of(ray_address, workers, cpus_per_worker) if ray else None
+    settings = RaySettings.of(ray_address, workers, cpus_per_worker, device) if ray else None
+    prompt = PromptSpec.of(prompt_format, system_prompt, answer_instruction)
     items = load_dataset(solutions or dataset)[:limit]
     engine = load_engine(model or "demo", store, shared_cache=shared_cache, device=device)
+    prompt.bind(engine.tokenizer, engine.model_name)  # a model without a chat template fails here, before any work
     started = time.perf_counter()
-    with progress("harvest", not as_json) as on_chunk:
+    with progress_with_tokens("harvest", not as_json) as (on_chunk, on_token):
         on_item = (lambda done, total: on_chunk(done, total)) if on_chunk else None
         if settings is not None:
             with WorkerPool.open(EngineSpec.of(engine, store, shared_cache), settings, engine.fingerprint) as pool:
                 if solutions is not None:
-                    records = pool.import_solutions(items, on_item, check=check)
+                    records = pool.import_solutions(items, on_item, check=check, prompt=prompt)
                 else:
-                    records = pool.harvest(items, attempts, budget, temperature, on_item=on_item, check=check)
+                    records = pool.harvest(
+                        items, attempts, budget, temperature, on_item=on_item, check=check, prompt=prompt
+                    )
         elif solutions is not None:
-            records = import_solutions(engine, items, on_item, check=check)
+            records = import_solutions(engine, items, on_item, check=check, prompt=prompt)
         else:
-            records = run_harvest(engine, items, attempts, budget, temperature, on_item=on_item, check=check)
-    block_ids = build_blocks(engine, records, items, check=check) if blocks else []
+            records = run_harvest(
+                engine,
+                items,
+                attempts,
+                budget,
+                temperature,
+                on_item=on_item,
+                check=check,
+                prompt=prompt,
+                on_token=on_token,
+            )
+    block_ids = build_blocks(engine, records, items, check=check, prompt=prompt) if blocks else []
     summary = HarvestSummary.of(records, block_ids, time.perf_counter() - started).to_json()
     summary["records"] = [r.to_json() for r in records]
 
@@ -113,9 +166,7 @@ def harvest(
 
 
 def bench(
-    dataset: Annotated[
-        str, typer.Option("--dataset", "-d", help="demo, aime2025, aime2024, amc2023, math500, or a JSONL path.")
-    ] = "demo",
+    dataset: DatasetOpt = "demo",
     library: Annotated[
         str | None, typer.Option("--library", "-l", help="Store holding the library (default: --store).")
     ] = None,
@@ -139,47 +190,75 @@ def bench(
     trusted_keys: TrustedKeysOpt = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
+    prompt_format: PromptFormatOpt = "plain",
+    system_prompt: SystemPromptOpt = None,
+    answer_instruction: AnswerInstructionOpt = None,
+    samples: SamplesOpt = 1,
+    bench_temperature: BenchTemperatureOpt = None,
+    code: CodeOpt = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """The ladder: bare, grafted and gated accuracy with intervals, seen vs unseen, decode tokens, receipts."""
+    """The ladder: bare, code, grafted and gated accuracy with intervals, seen vs unseen, decode tokens, receipts."""
     apply_threads(threads)
-    from kvgraft.flywheel.bench import Gate, run_ladder, summarize
+    from kvgraft.flywheel.bench import Gate, LadderOptions, run_ladder, summarize
     from kvgraft.flywheel.datasets import load_dataset
+    from kvgraft.flywheel.prompting import PromptSpec
     from kvgraft.flywheel.report import write_report
+    from kvgraft.flywheel.sandbox import SandboxLimits
     from kvgraft.library.library import Library
     from kvgraft.library.retrieval import make_retriever
 
+    prompt = PromptSpec.of(prompt_format, system_prompt, answer_instruction)
+    options = LadderOptions(
+        budget=budget,
+        gate=Gate(min_match=min_match, min_confidence=min_confidence),
+        verify_receipts=verify_receipts,
+        prompt=prompt,
+        code=SandboxLimits() if code else None,
+        samples=samples,
+        temperature=_bench_temperature(samples, bench_temperature),
+    )
+    _check_samples(options.samples, options.temperature)
     items = load_dataset(dataset)[:limit]
     retriever = make_retriever(dense_model)  # before the model: a bad path fails at once
     engine = load_engine(model or "demo", library or store, trusted_keys=trusted_keys, device=device)
-    gate = Gate(min_match=min_match, min_confidence=min_confidence)
-    with progress("bench", not as_json) as on_chunk:
-        results, facts = run_ladder(
-            engine, items, Library.from_store(engine.store, retriever), budget, gate, verify_receipts, on_chunk
-        )
+    prompt.bind(engine.tokenizer, engine.model_name)
+    with progress_with_tokens("bench", not as_json) as (on_chunk, on_token):
+        shelf = Library.from_store(engine.store, retriever)
+        results, facts = run_ladder(engine, items, shelf, on_problem=on_chunk, options=options, on_token=on_token)
     summary = replace(
-        summarize(results, budget, facts, gate), model=engine.model_name, dataset=dataset, retriever=retriever.name
+        summarize(results, budget, facts, options.gate, options=options),
+        model=engine.model_name,
+        dataset=dataset,
+        retriever=retriever.name,
     )
     written = write_report(summary, out_dir)
     emit(as_json, written.to_json(), lambda: _print_ladder(written))
+
+
+def _check_samples(samples: int, temperature: float) -> None:
+    """Refuse several samples at temperature 0 before any model loads (they would all be the same answer)."""
+    from kvgraft.core.errors import BadInputError
+
+    if samples > 1 and temperature <= 0:
+        raise BadInputError("--samples above 1 needs --bench-temperature above 0 (greedy answers would all agree)")
 
 
 def _print_ladder(summary: BenchSummary) -> None:
     """The ladder as a table, then the receipts line."""
     from kvgraft.flywheel.report import ladder_table
 
-    table = Table(
-        "rung",
-        "split",
-        "correct",
-        "accuracy",
-        "95% CI",
-        "decode tokens",
-        title=f"{summary.model} on {summary.dataset}",
-    )
+    columns = ["rung", "split", "correct", "accuracy", "95% CI", "decode tokens"]
+    if summary.samples > 1:
+        columns[3] = f"mean accuracy ({summary.samples} samples)"
+        columns.append(f"pass@{summary.samples}")
+    table = Table(*columns, title=f"{summary.model} on {summary.dataset}")
     for row in ladder_table(summary):
         table.add_row(*row)
     out.print(table)
+    if summary.code_outcomes:
+        counted = ", ".join(f"{name} {count}" for name, count in sorted(summary.code_outcomes.items()))
+        out.print(f"code rung programs: {counted}")
     receipts = summary.receipts
     out.print(f"receipts: {receipts.verified}/{receipts.total} verified; report: {summary.report}")
 
@@ -254,3 +333,81 @@ def _exactness_demo(store: Path, temporary: bool, as_json: bool, device: str = "
     emit(as_json, data, render)
     if not report.exact:
         raise typer.Exit(1)
+
+
+def replicate(
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="demo, random:<arch>, or a local model directory.")
+    ] = "demo",
+    dataset: DatasetOpt = "aime2025",
+    attempts: Annotated[int, typer.Option("--attempts", "-k", min=1, help="Harvest attempts per problem.")] = 4,
+    budget: Annotated[
+        int,
+        typer.Option("--budget", min=1, help="Max new tokens per answer (cut to the model's window when longer)."),
+    ] = 32768,
+    temperature: Annotated[float, typer.Option(min=0.0, help="The harvest's sampling temperature.")] = 0.7,
+    samples: SamplesOpt = 1,
+    bench_temperature: BenchTemperatureOpt = None,
+    code: CodeOpt = True,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N problems.")] = None,
+    prompt_format: Annotated[
+        str,
+        typer.Option(
+            "--prompt-format", help="auto (chat when the model has a chat template, else plain), plain or chat."
+        ),
+    ] = "auto",
+    system_prompt: SystemPromptOpt = None,
+    answer_instruction: AnswerInstructionOpt = None,
+    store: Annotated[
+        str | None, typer.Option("--store", "-s", help="Where the harvested grafts go (default: <out>/store).")
+    ] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("kvgraft-replicate"),
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """The published protocol in one command: harvest every problem (k attempts, verified solutions stored), then the
+    four-rung ladder (bare, code, grafted, gated) on all of them, seen and unseen, with upstream cost, decode
+    tokens, energy where it can be read, plots, and every receipt verified."""
+    apply_threads(threads)
+    from kvgraft.flywheel.cycle import FlywheelPlan, run_flywheel
+    from kvgraft.flywheel.datasets import load_dataset
+
+    bench_t = _bench_temperature(samples, bench_temperature)
+    _check_samples(samples, bench_t)
+    count = len(load_dataset(dataset)[:limit])  # a bad dataset fails before the model loads
+    engine = load_engine(model, store or str(out_dir / "store"), device=device)
+    prompt = _replicate_prompt(engine, prompt_format, system_prompt, answer_instruction)
+    plan = FlywheelPlan(
+        model=model,
+        dataset=dataset,
+        harvest_count=count,
+        bench_count=count,
+        attempts=attempts,
+        budget=budget,
+        temperature=temperature,
+        code=code,
+        samples=samples,
+        bench_temperature=bench_t,
+        prompt=prompt,
+    )
+    with progress("replicate", not as_json) as on_chunk:
+        on_progress = (lambda stage, done, total: on_chunk(done, total)) if on_chunk else None
+        summary = run_flywheel(engine, plan, out_dir, on_progress)
+    emit(as_json, summary.to_json(), lambda: _print_ladder(summary))
+    if not summary.receipts.all_verified:
+        raise typer.Exit(1)
+
+
+def _replicate_prompt(
+    engine: Engine, prompt_format: str, system_prompt: str | None, answer_instruction: str | None
+) -> PromptSpec:
+    """The prompt spec of `replicate`: `auto` is chat when the tokenizer has a chat template, else plain."""
+    from kvgraft.flywheel.prompting import PromptSpec
+
+    if prompt_format == "auto":
+        has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        prompt_format = "chat" if has_template else "plain"
+    prompt = PromptSpec.of(prompt_format, system_prompt, answer_instruction)
+    prompt.bind(engine.tokenizer, engine.model_name)  # no chat template: one clear error, before any work
+    return prompt

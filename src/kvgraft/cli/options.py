@@ -78,6 +78,24 @@ TrustedKeysOpt = Annotated[
         help="Use only grafts signed by a key in this directory (its *.pub files); others are refused.",
     ),
 ]
+PromptFormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--prompt-format",
+        help="plain: the demo's Q:/A:/Answer: format; chat: the model's chat template, answers in \\boxed{}.",
+    ),
+]
+SystemPromptOpt = Annotated[
+    str | None,
+    typer.Option("--system-prompt", help="With --prompt-format chat: the system message ('' for none)."),
+]
+AnswerInstructionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--answer-instruction",
+        help="With --prompt-format chat: what follows each problem (default: put the final answer in \\boxed{}).",
+    ),
+]
 ThreadsOpt = Annotated[
     int | None,
     typer.Option(

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvgraft.core.decode import TokenCallback
 from kvgraft.core.schedule import ChunkCallback
 
 out = Console()
@@ -53,3 +54,34 @@ def progress(label: str, enabled: bool) -> Iterator[ChunkCallback | None]:
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+@contextmanager
+def progress_with_tokens(label: str, enabled: bool) -> Iterator[tuple[ChunkCallback | None, TokenCallback | None]]:
+    """`progress`, with the tokens generated so far counted in the bar's label (long budgets run for minutes
+    between two items).
+
+    Args:
+        label: what the bar says is going on.
+        enabled: False turns the bar off.
+
+    Yields:
+        The `(done, total)` callback and a per-token callback; both None when there is no bar.
+    """
+    if not enabled or not err.is_terminal:
+        yield None, None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        generated = [0]
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        def token(_: int) -> None:
+            generated[0] += 1
+            if generated[0] % 64 == 0:  # a redraw per token would cost more than the token
+                bar.update(task, description=f"{label} ({generated[0]:,} tokens generated)")
+
+        yield update, token

@@ -37,6 +37,7 @@ from kvgraft.core.fingerprint import Fingerprint
 from kvgraft.engine.engine import Engine
 from kvgraft.flywheel.datasets import Item
 from kvgraft.flywheel.harvest import HarvestRecord, ItemCallback, harvest, import_solutions, problem_seed
+from kvgraft.flywheel.prompting import PromptSpec
 from kvgraft.store import open_store
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
@@ -72,15 +73,21 @@ class RaySettings:
     here with this machine's CPUs and stopped when done"""
     workers: int = DEFAULT_WORKERS
     cpus_per_worker: float = DEFAULT_CPUS_PER_WORKER
+    gpus_per_worker: float = 0.0
+    """GPUs Ray reserves per actor (1 when the driver runs on CUDA); an actor with one computes on the GPU Ray
+    gives it (`cuda`), whichever index that is on its node"""
 
     @classmethod
-    def of(cls, address: str | None, workers: int | None, cpus_per_worker: float | None) -> RaySettings:
+    def of(
+        cls, address: str | None, workers: int | None, cpus_per_worker: float | None, device: str = "cpu"
+    ) -> RaySettings:
         """Settings from optional values (a command line's).
 
         Args:
             address: the cluster, or None for $RAY_ADDRESS, else a local Ray.
             workers: how many actors; None for `DEFAULT_WORKERS`.
             cpus_per_worker: CPUs Ray reserves per actor; None for `DEFAULT_CPUS_PER_WORKER`.
+            device: the driver's device: on `cuda`/`cuda:N` each actor asks Ray for one GPU.
 
         Returns:
             The settings.
@@ -89,6 +96,7 @@ class RaySettings:
             address=address,
             workers=DEFAULT_WORKERS if workers is None else workers,
             cpus_per_worker=DEFAULT_CPUS_PER_WORKER if cpus_per_worker is None else cpus_per_worker,
+            gpus_per_worker=1.0 if device.startswith("cuda") else 0.0,
         )
 
 
@@ -155,7 +163,7 @@ class Worker:
     """One model and one store in a Ray actor. Errors kvgraft raises on purpose are returned, not raised, so that
     the driver re-raises them as they are (Ray would wrap them in its own exception and traceback)."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, on_ray_gpu: bool = False) -> None:
         self.threads = spec.threads
         reproducibility.set_threads(spec.threads)  # before the model computes anything: part of the fingerprint
         self.engine: Engine | None = None
@@ -164,7 +172,8 @@ class Worker:
             self.engine = Engine.load(
                 spec.model,
                 dtype=spec.dtype,
-                device=spec.device,
+                # Ray sets CUDA_VISIBLE_DEVICES to the GPU it reserved: that one is `cuda` here.
+                device="cuda" if on_ray_gpu else spec.device,
                 chunk_size=spec.chunk_size,
                 store=spec.store,
                 allow_environment_mismatch=spec.allow_env_mismatch,
@@ -192,18 +201,28 @@ class Worker:
             return exc
 
     def solve(
-        self, item: Item, attempts: int, budget: int, temperature: float, seed: int, check: bool
+        self,
+        item: Item,
+        attempts: int,
+        budget: int,
+        temperature: float,
+        seed: int,
+        check: bool,
+        prompt: PromptSpec | None = None,
     ) -> HarvestRecord | KvgraftError:
         """One problem, exactly as `harvest` solves it with this seed (`seed` is already the problem's own)."""
         try:
-            return harvest(self._engine(), [item], attempts, budget, temperature, seed, check=check)[0]
+            engine = self._engine()
+            return harvest(engine, [item], attempts, budget, temperature, seed, check=check, prompt=prompt)[0]
         except KvgraftError as exc:
             return exc
 
-    def import_solution(self, item: Item, check: bool) -> HarvestRecord | KvgraftError:
+    def import_solution(
+        self, item: Item, check: bool, prompt: PromptSpec | None = None
+    ) -> HarvestRecord | KvgraftError:
         """One item's own worked solution, exactly as `import_solutions` stores it."""
         try:
-            return import_solutions(self._engine(), [item], check=check)[0]
+            return import_solutions(self._engine(), [item], check=check, prompt=prompt)[0]
         except KvgraftError as exc:
             return exc
 
@@ -335,11 +354,12 @@ class WorkerPool:
             env[reproducibility.THREADS_ENV] = str(spec.threads)
             remote = ray.remote(Worker).options(
                 num_cpus=settings.cpus_per_worker,
+                num_gpus=settings.gpus_per_worker,
                 max_restarts=MAX_RESTARTS,
                 max_task_retries=MAX_TASK_RETRIES,
                 runtime_env={"env_vars": env},
             )
-            actors = [remote.remote(spec) for _ in range(settings.workers)]
+            actors = [remote.remote(spec, settings.gpus_per_worker > 0) for _ in range(settings.workers)]
             try:
                 pool = cls(ray, actors)
                 pool._check_fingerprints(expect)
@@ -418,13 +438,14 @@ class WorkerPool:
         seed: int = 0,
         on_item: ItemCallback | None = None,
         check: bool = True,
+        prompt: PromptSpec | None = None,
     ) -> list[HarvestRecord]:
         """`kvgraft.flywheel.harvest.harvest`, one problem per call, spread over the actors.
 
         Args:
             items: the problems, with gold answers.
-            attempts, budget, temperature, seed, check: as in `harvest` (problem i gets `problem_seed(seed, i)`
-                there and here).
+            attempts, budget, temperature, seed, check, prompt: as in `harvest` (problem i gets
+                `problem_seed(seed, i)` there and here).
             on_item: progress callback, called as each problem's record arrives.
 
         Returns:
@@ -432,19 +453,28 @@ class WorkerPool:
         """
 
         def call(actor: Any, index: int) -> Any:
-            return actor.solve.remote(items[index], attempts, budget, temperature, problem_seed(seed, index), check)
+            seed_i = problem_seed(seed, index)
+            return actor.solve.remote(items[index], attempts, budget, temperature, seed_i, check, prompt)
 
         return self.map(len(items), call, on_item)
 
     def import_solutions(
-        self, items: Sequence[Item], on_item: ItemCallback | None = None, check: bool = True
+        self,
+        items: Sequence[Item],
+        on_item: ItemCallback | None = None,
+        check: bool = True,
+        prompt: PromptSpec | None = None,
     ) -> list[HarvestRecord]:
         """`kvgraft.flywheel.harvest.import_solutions`, one item per call, spread over the actors.
 
         Returns:
             One record per item, in order.
         """
-        return self.map(len(items), lambda actor, index: actor.import_solution.remote(items[index], check), on_item)
+
+        def call(actor: Any, index: int) -> Any:
+            return actor.import_solution.remote(items[index], check, prompt)
+
+        return self.map(len(items), call, on_item)
 
     def put(
         self,
@@ -470,13 +500,21 @@ class WorkerPool:
 
 
 def _check_capacity(ray: Any, settings: RaySettings) -> None:
-    """Refuse a pool the cluster cannot hold: Ray would otherwise wait forever for the CPUs."""
-    cpus = float(ray.cluster_resources().get("CPU", 0))
+    """Refuse a pool the cluster cannot hold: Ray would otherwise wait forever for the CPUs or GPUs."""
+    resources = ray.cluster_resources()
+    cpus = float(resources.get("CPU", 0))
     wanted = settings.workers * settings.cpus_per_worker
     if wanted > cpus:
         raise ClusterError(
             f"{settings.workers} Ray workers of {settings.cpus_per_worker:g} CPU(s) need {wanted:g} CPUs; "
             f"the cluster has {cpus:g}: ask for fewer workers or fewer CPUs per worker"
+        )
+    gpus = float(resources.get("GPU", 0))
+    wanted_gpus = settings.workers * settings.gpus_per_worker
+    if wanted_gpus > gpus:
+        raise ClusterError(
+            f"{settings.workers} Ray workers of {settings.gpus_per_worker:g} GPU(s) need {wanted_gpus:g} GPUs; "
+            f"the cluster has {gpus:g}: ask for fewer workers"
         )
 
 

@@ -2,10 +2,11 @@
 
 `harvest` asks the model each problem up to k times (sampled) under a token budget, checks each final answer
 against the gold one, and stores only a verified solution, as a replay graft: the exact prompt the model is asked
-followed by its verified worked solution up to the answer mark. Asked the problem again, the model restores that
-state and decodes only the answer. Every graft carries the upstream cost that produced it (attempts, tokens
-generated, wall time). `import_solutions` stores given worked solutions instead, each checked first.
-`build_blocks` packs verified solutions into context blocks that fill the model's window.
+(in a prompt format: `kvgraft.flywheel.prompting`) followed by its verified worked solution up to the answer
+mark. Asked the problem again, the model restores that state and decodes only the answer. Every graft carries the
+upstream cost that produced it (attempts, tokens generated, wall time). `import_solutions` stores given worked
+solutions instead, each checked first. `build_blocks` packs verified solutions into context blocks that fill the
+model's window.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvgraft.core.decode import TokenCallback
 from kvgraft.core.errors import BadInputError
 from kvgraft.core.hashing import GraftId, sha256_token_ids
-from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.flywheel.answers import answers_match, extract_answer
 from kvgraft.flywheel.datasets import Item
-from kvgraft.flywheel.problems import ANSWER_MARK, STOP, prompt_of
+from kvgraft.flywheel.prompting import ChatPrompter, PlainPrompter, PromptSpec
 from kvgraft.format.metadata import BlockMetadata, HarvestCost, ProblemRef, ReplayMetadata, SolutionSource
 from kvgraft.models.loading import max_positions
+
+Prompter = PlainPrompter | ChatPrompter
 
 ItemCallback = Callable[[int, int], None]
 """called after each item with (items done, items in all)"""
@@ -102,36 +105,62 @@ class HarvestSummary:
         }
 
 
-def replay_text(item: Item, solution: str) -> str:
+def replay_text(item: Item, solution: str, prompter: Prompter | None = None) -> str:
     """The text of a replay graft.
 
     Args:
         item: the problem.
         solution: its verified worked solution.
+        prompter: the prompt format (default: plain).
 
     Returns:
         The prompt plus the solution, cut right after its last answer mark (added when the solution has none).
     """
-    at = solution.rfind(ANSWER_MARK)
-    reasoning = solution[: at + len(ANSWER_MARK)] if at >= 0 else f"{solution.rstrip()}\n{ANSWER_MARK}"
-    return prompt_of(item.problem) + reasoning
+    return (prompter or PlainPrompter()).replay_text(item.problem, solution)
+
+
+def budget_for(engine: Engine, input_tokens: int, budget: int) -> int:
+    """The most new tokens an answer may take: the budget, cut to what fits in the model's positions.
+
+    A long budget (32768) on a model with a shorter window answers as far as the window goes rather than refusing.
+
+    Args:
+        engine: the model.
+        input_tokens: the tokens before the answer (graft and prompt).
+        budget: the budget asked.
+
+    Returns:
+        min(budget, positions - input_tokens); the budget itself when nothing fits (the engine then refuses the
+        input with its own error) or the model states no limit.
+    """
+    limit = max_positions(engine.model)
+    if limit is None or limit - input_tokens < 1:
+        return budget
+    return min(budget, limit - input_tokens)
 
 
 def _store_replay(
-    engine: Engine, item: Item, solution: str, cost: HarvestCost, source: SolutionSource, check: bool
+    engine: Engine,
+    item: Item,
+    solution: str,
+    cost: HarvestCost,
+    source: SolutionSource,
+    check: bool,
+    prompter: Prompter,
 ) -> tuple[GraftId, float]:
     """Store a verified solution as a replay graft; returns its id and the seconds the put took."""
     started = time.perf_counter()
     metadata = ReplayMetadata(
         problem_id=item.id,
         problem_sha256=item.text_sha256,
-        prompt_tokens_sha256=sha256_token_ids(engine.encode_context(prompt_of(item.problem))),
+        prompt_tokens_sha256=sha256_token_ids(engine.encode_context(prompter.prompt(item.problem))),
         answer=item.answer,
         solution=solution,
         source=source,
         cost=cost,
+        prompt_format=prompter.format.value,
     )
-    put = engine.put(replay_text(item, solution), metadata=metadata.to_json(), check=check)
+    put = engine.put(prompter.replay_text(item.problem, solution), metadata=metadata.to_json(), check=check)
     return put.id, time.perf_counter() - started
 
 
@@ -149,6 +178,8 @@ def harvest(
     seed: int = 0,
     on_item: ItemCallback | None = None,
     check: bool = True,
+    prompt: PromptSpec | None = None,
+    on_token: TokenCallback | None = None,
 ) -> list[HarvestRecord]:
     """Solve each item with sampled tries and store each verified solution as a replay graft.
 
@@ -164,15 +195,23 @@ def harvest(
         on_item: progress callback.
         check: compute each stored graft's new blocks twice and refuse to store them unless the two agree in
             every bit (`Engine.put(check=True)`): a verified solution is only worth keeping if its state is exact.
+        prompt: the prompt format (default: plain, the demo's).
+        on_token: called with each generated token (a progress bar's token count).
 
     Returns:
         One record per item, in order.
+
+    Raises:
+        BadInputError: the chat format for a model without a chat template.
     """
+    prompter = (prompt or PromptSpec()).bind(engine.tokenizer, engine.model_name)
     records = []
     for index, item in enumerate(items):
         started = time.perf_counter()
         try:
-            records.append(_solve(engine, item, attempts, budget, temperature, problem_seed(seed, index), check))
+            seed_i = problem_seed(seed, index)
+            tries = _Tries(attempts, budget, temperature, seed_i, on_token)
+            records.append(_solve(engine, item, tries, check, prompter))
         except BadInputError as exc:
             wall = time.perf_counter() - started
             records.append(_unsolved(item, SolutionSource.MODEL, wall_s=wall, error=str(exc)))
@@ -181,16 +220,27 @@ def harvest(
     return records
 
 
-def _solve(
-    engine: Engine, item: Item, attempts: int, budget: int, temperature: float, seed: int, check: bool
-) -> HarvestRecord:
+@dataclass(frozen=True)
+class _Tries:
+    """How one problem is tried: at most `attempts` samples from `seed` on, each under `budget` new tokens."""
+
+    attempts: int
+    budget: int
+    temperature: float
+    seed: int
+    on_token: TokenCallback | None = None
+
+
+def _solve(engine: Engine, item: Item, plan: _Tries, check: bool, prompter: Prompter) -> HarvestRecord:
     tokens, started, solution, tries = 0, time.perf_counter(), None, 0
-    for attempt in range(attempts):
+    prompt = prompter.prompt(item.problem)
+    room = budget_for(engine, len(engine.encode_context(prompt)), plan.budget)
+    for attempt in range(plan.attempts):
         tries = attempt + 1
-        params = SamplingParams(budget, temperature, 1.0, seed + attempt, STOP)
-        result = engine.generate(prompt_of(item.problem), params=params)
+        params = prompter.stop.sampling(room, plan.temperature, plan.seed + attempt)
+        result = engine.generate(prompt, params=params, on_token=plan.on_token)
         tokens += len(result.output_tokens)
-        if answers_match(item.answer, extract_answer(result.text)):
+        if answers_match(item.answer, prompter.answer(result.text)):
             solution = result.text
             break
     wall = time.perf_counter() - started
@@ -200,7 +250,7 @@ def _solve(
         # No wall time in the graft: its id hashes its metadata, and the same seeds must give the same id on any
         # run, machine or Ray worker. The record keeps the time (HarvestRecord.wall_s).
         cost = HarvestCost(attempts=tries, tokens_generated=tokens)
-        graft_id, build_s = _store_replay(engine, item, solution, cost, SolutionSource.MODEL, check)
+        graft_id, build_s = _store_replay(engine, item, solution, cost, SolutionSource.MODEL, check, prompter)
     return HarvestRecord(
         problem_id=item.id,
         problem_sha256=item.text_sha256,
@@ -232,7 +282,11 @@ def _unsolved(item: Item, source: SolutionSource, wall_s: float, error: str) -> 
 
 
 def import_solutions(
-    engine: Engine, items: list[Item], on_item: ItemCallback | None = None, check: bool = True
+    engine: Engine,
+    items: list[Item],
+    on_item: ItemCallback | None = None,
+    check: bool = True,
+    prompt: PromptSpec | None = None,
 ) -> list[HarvestRecord]:
     """Store the items' own worked solutions as replay grafts, each only if its final answer checks against the gold.
 
@@ -241,10 +295,12 @@ def import_solutions(
         items: the problems, with gold answers and worked solutions (an item without one is not verified).
         on_item: progress callback.
         check: as in `harvest`: store a graft only if its state computes to the same bits twice.
+        prompt: the prompt format the grafts' prompts are written in (default: plain).
 
     Returns:
         One record per item, in order (a solution that cannot be stored is not verified, with its error).
     """
+    prompter = (prompt or PromptSpec()).bind(engine.tokenizer, engine.model_name)
     records = []
     for index, item in enumerate(items):
         solution = item.solution
@@ -254,7 +310,8 @@ def import_solutions(
         if verified and solution:
             try:
                 cost = HarvestCost(attempts=0, tokens_generated=0)
-                graft_id, build_s = _store_replay(engine, item, solution, cost, SolutionSource.IMPORTED, check)
+                source = SolutionSource.IMPORTED
+                graft_id, build_s = _store_replay(engine, item, solution, cost, source, check, prompter)
             except BadInputError as exc:
                 verified, error = False, str(exc)
         records.append(
@@ -297,7 +354,12 @@ def _final_answer(solution: str) -> str | None:
 
 
 def build_blocks(
-    engine: Engine, records: list[HarvestRecord], items: list[Item], reserve: int = 256, check: bool = True
+    engine: Engine,
+    records: list[HarvestRecord],
+    items: list[Item],
+    reserve: int = 256,
+    check: bool = True,
+    prompt: PromptSpec | None = None,
 ) -> list[GraftId]:
     """Pack verified solutions into context blocks that fit the model's window, and store them.
 
@@ -307,10 +369,12 @@ def build_blocks(
         items: the problems the records name.
         reserve: tokens each block leaves free for a query and its answer.
         check: as in `harvest`.
+        prompt: the prompt format each problem is written in (default: plain).
 
     Returns:
         The blocks' graft ids.
     """
+    prompter = (prompt or PromptSpec()).bind(engine.tokenizer, engine.model_name)
     window = max_positions(engine.model) or 2048
     limit = window - reserve
     by_id = {item.id: item for item in items}
@@ -320,7 +384,7 @@ def build_blocks(
         if not record.verified or record.solution is None:
             continue
         item = by_id[record.problem_id]
-        entry = prompt_of(item.problem) + record.solution + "\n"
+        entry = prompter.prompt(item.problem) + record.solution + "\n"
         size = len(engine.encode_continuation(entry))
         if used + size > limit and blocks[-1]:
             blocks.append([])
@@ -331,7 +395,7 @@ def build_blocks(
     for block in blocks:
         if not block:
             continue
-        text = "".join(prompt_of(item.problem) + solution + "\n" for item, solution in block)
+        text = "".join(prompter.prompt(item.problem) + solution + "\n" for item, solution in block)
         metadata = BlockMetadata(
             problems=tuple(
                 ProblemRef(id=item.id, problem_sha256=item.text_sha256, text=item.problem) for item, _ in block

@@ -2,7 +2,9 @@
 
 Each problem starts from a count and applies 2-4 events: gains, losses, or k bags of m added or removed (a bag
 event is two written steps: k*m, then the add or subtract). The worked solution writes every step, then
-`Answer:N`. Difficulty raises the number of events and the size of the numbers.
+`Answer:N`. Difficulty raises the number of events and the size of the numbers. Each problem also has a one-line
+Python program that prints its answer (`print(34+3*5-2)`: the start, then each event in story order), the
+target after `Code:` for the code skill.
 
 The demo exam (30 problems, AIME-sized) comes from its own seed; training problems come from other seeds and
 skip any problem whose text hash is in the exam, so the two never overlap.
@@ -18,6 +20,8 @@ from kvgraft.core.hashing import Sha256Hex, sha256_bytes
 EXAM_SEED = 20251130
 EXAM_SIZE = 30
 ANSWER_MARK = "Answer:"
+CODE_MARK = "Code:"
+"""what follows the question when the model is asked for a program instead of a worked solution"""
 STOP = ("\n",)
 """what ends a worked solution and an answer: the model writes each on one line"""
 
@@ -35,6 +39,9 @@ class Problem:
     answer: int
     solution: str
     """Worked steps ending in `Answer:N` (no trailing newline)."""
+    program: str = ""
+    """One line `print(<expr>)` whose printed value is the answer (no trailing newline); last, with a default, so
+    problems built without one keep working."""
 
     @property
     def text_sha256(self) -> Sha256Hex:
@@ -73,6 +80,18 @@ def prompt_of(text: str) -> str:
     return f"Q:{text}\nA:"
 
 
+def code_prompt_of(text: str) -> str:
+    """The exact prompt the model is asked for a program that prints a problem's answer.
+
+    Args:
+        text: the problem text.
+
+    Returns:
+        `Q:<problem>\\nCode:`; the model's answer is the program line, then a newline.
+    """
+    return f"Q:{text}\n{CODE_MARK}"
+
+
 def render(story: Story, problem_id: str = "") -> Problem:
     """Write a story out as a problem; a loss larger than the count becomes a gain, so counts stay >= 0.
 
@@ -81,11 +100,13 @@ def render(story: Story, problem_id: str = "") -> Problem:
         problem_id: the problem's id.
 
     Returns:
-        The problem: its text, integer answer and worked solution.
+        The problem: its text, integer answer, worked solution and program.
     """
     value = story.start
     sentences = [f"{story.name} has {value} {story.item}."]
     steps: list[str] = []
+    # The program takes each sign from the same gain/loss decision as the text, so it computes the same answer.
+    terms = [str(value)]
     for event in story.events:
         delta = event.amount * event.bags if event.bags else event.amount
         gain = event.gain or value < delta
@@ -97,10 +118,13 @@ def render(story: Story, problem_id: str = "") -> Problem:
         else:
             sentences.append(f"{verb} {event.amount}.")
         new = value + delta if gain else value - delta
-        steps.append(f"{value}{'+' if gain else '-'}{delta}={new}")
+        sign = "+" if gain else "-"
+        steps.append(f"{value}{sign}{delta}={new}")
+        terms.append(f"{sign}{event.bags}*{event.amount}" if event.bags else f"{sign}{event.amount}")
         value = new
     sentences.append(f"How many {story.item} now?")
-    return Problem(problem_id, " ".join(sentences), value, ", ".join(steps) + f". {ANSWER_MARK}{value}")
+    solution = ", ".join(steps) + f". {ANSWER_MARK}{value}"
+    return Problem(problem_id, " ".join(sentences), value, solution, f"print({''.join(terms)})")
 
 
 def draw_story(rng: random.Random, difficulty: int = 1) -> Story:

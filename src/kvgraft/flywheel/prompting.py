@@ -6,25 +6,35 @@ answer in `\\boxed{}`, and a system prompt) through the tokenizer's own chat tem
 last `\\boxed{...}`, stopped at the model's end of turn.
 
 `make_prompter(format, tokenizer, model_name)` gives a `Prompter`; harvest and bench ask it for the prompt text,
-the stop rule, the answer and a replay graft's text, so that neither knows which format it runs.
+the stop rule, the answer and a replay graft's text, so that neither knows which format it runs. The code rung
+asks it for a program instead: `plain` asks `Q:<problem>\nCode:` and takes the one line the model writes (the
+demo model is trained to write `print(<expression>)`); `chat` asks for a program in a ```python block. A
+`PromptSpec` names a format and its settings without a tokenizer (it travels to Ray workers and into reports).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from kvgraft.core.errors import BadInputError
+from kvgraft.core.sampling import SamplingParams
 from kvgraft.flywheel.answers import extract_answer, extract_boxed
-from kvgraft.flywheel.problems import ANSWER_MARK, STOP, prompt_of
+from kvgraft.flywheel.problems import ANSWER_MARK, STOP, code_prompt_of, prompt_of
+from kvgraft.flywheel.sandbox import extract_program
 
 DEFAULT_SYSTEM_PROMPT = "You are a careful mathematician. Reason step by step, then state the final answer."
 """the system message of the chat format unless one is given"""
 DEFAULT_BOXED_INSTRUCTION = "Put your final answer within \\boxed{}."
 """appended to each problem in the chat format (the public sets' convention, as MathArena asks it)"""
+DEFAULT_CODE_INSTRUCTION = (
+    "Write a Python program that computes the answer and prints only the final answer. "
+    "Put the whole program in one ```python code block."
+)
+"""appended to each problem in the chat format's code rung"""
 BOX_MARK = "\\boxed{"
 """where a chat replay graft ends: the model continues with the answer and its closing brace"""
 
@@ -47,6 +57,19 @@ class StopRule:
     token_ids: tuple[int, ...] = ()
     """token ids that end a turn (a chat model's end-of-turn token; its EOS is among them)"""
 
+    def sampling(self, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> SamplingParams:
+        """The sampling parameters of one answer under this rule.
+
+        Args:
+            max_new_tokens: the budget.
+            temperature: 0 for greedy.
+            seed: the sampling seed.
+
+        Returns:
+            The parameters, with this rule's stop strings and stop token ids (top_p 1).
+        """
+        return SamplingParams(max_new_tokens, temperature, 1.0, seed, self.strings, self.token_ids)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChatSettings:
@@ -56,6 +79,16 @@ class ChatSettings:
     """None or blank: no system message"""
     instruction: str = DEFAULT_BOXED_INSTRUCTION
     """appended to the problem after a blank line; blank: the problem alone"""
+    code_instruction: str = DEFAULT_CODE_INSTRUCTION
+    """appended to the problem when the code rung asks for a program"""
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: every field by name."""
+        return {
+            "system_prompt": self.system_prompt,
+            "instruction": self.instruction,
+            "code_instruction": self.code_instruction,
+        }
 
 
 class Prompter(Protocol):
@@ -75,6 +108,14 @@ class Prompter(Protocol):
 
     def replay_text(self, problem: str, solution: str) -> str:
         """A replay graft's text: the prompt and a verified solution, cut right after its last answer mark."""
+        ...
+
+    def code_prompt(self, problem: str) -> str:
+        """The prompt that asks for a program printing the answer (the code rung)."""
+        ...
+
+    def program(self, output: str) -> str | None:
+        """The program in a model's answer to `code_prompt`, or None when it wrote none."""
         ...
 
 
@@ -104,6 +145,19 @@ class PlainPrompter:
         """Returns: the prompt and the solution up to its last `Answer:` (a new line and the mark when none)."""
         return self.prompt(problem) + _cut_at_mark(solution, ANSWER_MARK, "\n")
 
+    def code_prompt(self, problem: str) -> str:
+        """Returns: `Q:<problem>\\nCode:` (the model writes its program on that line)."""
+        return code_prompt_of(problem)
+
+    def program(self, output: str) -> str | None:
+        """Returns: a fenced ```python block when the output has one, else the output's first line (None when
+        blank)."""
+        fenced = extract_program(output)
+        if fenced is not None:
+            return fenced
+        line = output.strip().split("\n", 1)[0].strip() if output.strip() else ""
+        return line or None
+
 
 @dataclass(frozen=True)
 class ChatPrompter:
@@ -127,7 +181,10 @@ class ChatPrompter:
         Returns:
             The prompt text.
         """
-        text = _render(self.tokenizer, _messages(problem, self.settings), generation_prompt=True)
+        return self._rendered(problem, self.settings)
+
+    def _rendered(self, problem: str, settings: ChatSettings) -> str:
+        text = _render(self.tokenizer, _messages(problem, settings), generation_prompt=True)
         bos = self.tokenizer.bos_token
         if isinstance(bos, str) and bos and text.startswith(bos) and _adds_bos(self.tokenizer):
             text = text[len(bos) :]
@@ -140,6 +197,15 @@ class ChatPrompter:
     def replay_text(self, problem: str, solution: str) -> str:
         """Returns: the prompt and the solution up to its last `\\boxed{` (a new line and the mark when none)."""
         return self.prompt(problem) + _cut_at_mark(solution, BOX_MARK, "\n")
+
+    def code_prompt(self, problem: str) -> str:
+        """Returns: the problem with the code instruction, through the chat template (as `prompt` does)."""
+        code = ChatSettings(system_prompt=self.settings.system_prompt, instruction=self.settings.code_instruction)
+        return self._rendered(problem, code)
+
+    def program(self, output: str) -> str | None:
+        """Returns: the last complete ```python block of the output (see `sandbox.extract_program`)."""
+        return extract_program(output)
 
 
 def make_prompter(
@@ -162,16 +228,63 @@ def make_prompter(
     Raises:
         BadInputError: an unknown format, or `chat` for a tokenizer without a chat template.
     """
-    try:
-        kind = PromptFormat(prompt_format)
-    except ValueError:
-        choices = ", ".join(f.value for f in PromptFormat)
-        raise BadInputError(f"unknown prompt format {prompt_format!r}; choose one of {choices}") from None
+    kind = _format_of(prompt_format)
     if kind is PromptFormat.PLAIN:
         return PlainPrompter()
     if not getattr(tokenizer, "chat_template", None):
         raise BadInputError(f"model {model_name} has no chat template; use --prompt-format plain")
     return ChatPrompter(tokenizer, settings or ChatSettings(), chat_stop(tokenizer))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptSpec:
+    """A prompt format and its settings, without a tokenizer: what a run is configured with (and what travels to
+    Ray workers and into reports); `bind` makes the prompter."""
+
+    format: PromptFormat = PromptFormat.PLAIN
+    settings: ChatSettings = field(default_factory=ChatSettings)
+
+    @classmethod
+    def of(cls, prompt_format: str, system_prompt: str | None = None, instruction: str | None = None) -> PromptSpec:
+        """The spec of the CLI's `--prompt-format`, `--system-prompt` and `--answer-instruction`.
+
+        Args:
+            prompt_format: `plain` or `chat`.
+            system_prompt: the chat system message (None: the default; "" for none).
+            instruction: what follows each problem in the chat format (None: the default `\\boxed{}` one).
+
+        Returns:
+            The spec.
+
+        Raises:
+            BadInputError: an unknown format, or chat settings given with the plain format.
+        """
+        kind = _format_of(prompt_format)
+        if kind is PromptFormat.PLAIN and (system_prompt, instruction) != (None, None):
+            raise BadInputError("--system-prompt and --answer-instruction go with --prompt-format chat")
+        defaults = ChatSettings()
+        settings = ChatSettings(
+            system_prompt=defaults.system_prompt if system_prompt is None else system_prompt,
+            instruction=defaults.instruction if instruction is None else instruction,
+        )
+        return cls(format=kind, settings=settings)
+
+    def bind(self, tokenizer: PreTrainedTokenizerBase, model_name: str) -> PlainPrompter | ChatPrompter:
+        """The prompter for a model (see `make_prompter`)."""
+        return make_prompter(self.format, tokenizer, model_name, self.settings)
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns: {"format"} for plain, {"format", **settings} for chat."""
+        data: dict[str, Any] = {"format": self.format.value}
+        return data | self.settings.to_json() if self.format is PromptFormat.CHAT else data
+
+
+def _format_of(prompt_format: PromptFormat | str) -> PromptFormat:
+    try:
+        return PromptFormat(prompt_format)
+    except ValueError:
+        choices = ", ".join(f.value for f in PromptFormat)
+        raise BadInputError(f"unknown prompt format {prompt_format!r}; choose one of {choices}") from None
 
 
 def _messages(problem: str, settings: ChatSettings) -> list[dict[str, str]]:

@@ -22,7 +22,7 @@ def _pct(value: float | None) -> str:
 
 
 def _cells(summary: BenchSummary) -> Iterator[tuple[Rung, Split, Tally]]:
-    for rung in Rung:
+    for rung in summary.rung_order:
         for split in Split:
             yield rung, split, summary.cell(rung, split)
 
@@ -30,7 +30,7 @@ def _cells(summary: BenchSummary) -> Iterator[tuple[Rung, Split, Tally]]:
 def _row(rung: Rung, split: Split, cell: Tally) -> list[str]:
     lo, hi = cell.ci95
     tokens = cell.decode_tokens_mean
-    return [
+    row = [
         rung.value,
         split.value,
         f"{cell.correct}/{cell.n}",
@@ -38,6 +38,7 @@ def _row(rung: Rung, split: Split, cell: Tally) -> list[str]:
         f"[{100 * lo:.0f}, {100 * hi:.0f}]",
         "n/a" if tokens is None else f"{tokens:.1f}",
     ]
+    return [*row, _pct(cell.pass_at_k)] if cell.samples > 1 else row
 
 
 def ladder_table(summary: BenchSummary) -> list[list[str]]:
@@ -47,7 +48,8 @@ def ladder_table(summary: BenchSummary) -> list[list[str]]:
         summary: a bench summary.
 
     Returns:
-        One row per rung and split: rung, split, correct/n, accuracy, 95% CI, decode tokens mean.
+        One row per rung and split: rung, split, correct/n, accuracy (the mean over samples), 95% CI, decode tokens
+        mean, and pass@k when the run had several samples per problem.
     """
     return [_row(rung, split, cell) for rung, split, cell in _cells(summary)]
 
@@ -83,7 +85,7 @@ def _plot_ladder(summary: BenchSummary, path: Path) -> None:
         xs: list[float] = []
         ys: list[float] = []
         errs: list[list[float]] = [[], []]
-        for i, rung in enumerate(Rung):
+        for i, rung in enumerate(summary.rung_order):
             cell = summary.cell(rung, split)
             acc = cell.accuracy or 0.0
             xs.append(i + (offset - 1) * width)
@@ -92,8 +94,8 @@ def _plot_ladder(summary: BenchSummary, path: Path) -> None:
             errs[1].append(100 * (cell.ci95[1] - acc))
         n = summary.cell(Rung.BARE, split).n
         ax.bar(xs, ys, width, yerr=errs, capsize=3, label=f"{split.value} (n={n})")
-    ax.set_xticks(range(len(Rung)), [rung.value for rung in Rung])
-    ax.set_ylabel("accuracy, % (95% Wilson interval)")
+    ax.set_xticks(range(len(summary.rung_order)), [rung.value for rung in summary.rung_order])
+    ax.set_ylabel("accuracy, % (95% interval)")
     ax.set_ylim(0, 105)
     ax.set_title(f"{summary.model or ''} on {summary.dataset or ''}")
     ax.legend(loc="lower right", fontsize=8)
@@ -106,7 +108,9 @@ def _plot_tokens(summary: BenchSummary, path: Path) -> None:
     problems = summary.problems
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(problems))
-    for rung, marker in ((Rung.BARE, "o"), (Rung.GRAFTED, "s"), (Rung.GATED, "^")):
+    markers = {Rung.BARE: "o", Rung.CODE: "D", Rung.GRAFTED: "s", Rung.GATED: "^"}
+    for rung in summary.rung_order:
+        marker = markers[rung]
         ax.scatter(xs, [max(1, p.rung(rung).decode_tokens) for p in problems], marker=marker, s=18, label=rung.value)
     for i, p in enumerate(problems):
         if p.seen:
@@ -122,22 +126,32 @@ def _plot_tokens(summary: BenchSummary, path: Path) -> None:
 
 def _markdown(summary: BenchSummary) -> str:
     gate = summary.gate
+    code = (
+        " **code** (the model writes a Python program, run in the sandbox; its last printed line is the answer);"
+        if Rung.CODE in summary.rungs
+        else ""
+    )
+    sampled = summary.samples > 1
     lines = [
         f"# kvgraft bench: {summary.model or ''} on {summary.dataset or ''}",
         "",
-        "Rungs: **bare** (the model alone); **grafted** (the problem's replay graft, found by prompt hash, which"
+        f"Rungs: **bare** (the model alone);{code} **grafted** (the problem's replay graft, found by prompt hash, which"
         " restores the verified reasoning and decodes only the answer; else the best retrieved context block, then"
         " the problem); **gated** (the grafted answer only when retrieval score and answer confidence pass the"
         f" gate: retrieval score >= {gate.min_match} and answer confidence >="
         f" {gate.min_confidence}; else bare). A problem is *seen* when its verified solution is in"
         " the library.",
         "",
-        "| rung | split | correct | accuracy | 95% CI | decode tokens / problem | TTFT mean | wall |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *_protocol_lines(summary),
+        "| rung | split | correct | accuracy | 95% CI | decode tokens / answer |"
+        + (" pass@k |" if sampled else "")
+        + " TTFT mean | wall |",
+        "|---|---|---:|---:|---:|---:|" + ("---:|" if sampled else "") + "---:|---:|",
     ]
     for rung, split, cell in _cells(summary):
         ttft = "n/a" if cell.ttft_s_mean is None else f"{1000 * cell.ttft_s_mean:.0f} ms"
         lines.append("| " + " | ".join([*_row(rung, split, cell), ttft, f"{cell.wall_s:.1f} s"]) + " |")
+    lines += _code_lines(summary)
     up = summary.upstream
     own = summary.block_own
     lines += [
@@ -166,8 +180,8 @@ def _markdown(summary: BenchSummary) -> str:
         "",
         "## Run",
         "",
-        f"- receipts: {summary.receipts.total} grafted answers, {summary.receipts.verified} verified by a"
-        " fresh rerun (tokens and chained logits hash equal)",
+        f"- receipts: {summary.receipts.total} answers ({'code and ' if code else ''}grafted), "
+        f"{summary.receipts.verified} verified by a fresh rerun (tokens and chained logits hash equal)",
         f"- energy: {_energy(summary.energy)}",
         f"- wall time of the ladder: {summary.wall_s:.1f} s",
         "",
@@ -177,6 +191,35 @@ def _markdown(summary: BenchSummary) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _protocol_lines(summary: BenchSummary) -> list[str]:
+    """How the answers were asked: the prompt format, and the samples when there were several."""
+    prompt = summary.prompt
+    lines = []
+    if prompt is not None:
+        lines.append(f"Prompt format: {prompt.format.value} (the model's chat template, answers in \\boxed{{}}).")
+    if summary.samples > 1:
+        lines.append(
+            f"Each problem answered {summary.samples} times per rung (temperature {summary.temperature:g}, seeds 0.."
+            f"{summary.samples - 1}): accuracy is the mean over all answers, its 95% interval is over problems (the"
+            f" normal interval of per-problem accuracies), and pass@k is the share of problems answered right at"
+            f" least once."
+        )
+    return [*lines, ""] if lines else []
+
+
+def _code_lines(summary: BenchSummary) -> list[str]:
+    """The code rung's programs counted by how they ended."""
+    outcomes = summary.code_outcomes
+    if not outcomes:
+        return []
+    counted = ", ".join(f"{name} {count}" for name, count in sorted(outcomes.items(), key=lambda kv: -kv[1]))
+    return [
+        "",
+        f'Code rung programs by outcome: {counted} (only "ok" gives an answer; the program\'s output is kept'
+        " beside each answer in results.json).",
+    ]
 
 
 def _harvest_lines(harvest: HarvestSummary | None) -> list[str]:

@@ -124,10 +124,13 @@ class ReplayMetadata:
     """the verified worked solution"""
     source: SolutionSource
     cost: HarvestCost
+    prompt_format: str = "plain"
+    """the prompt format the graft's prompt was written in (`kvgraft.flywheel.prompting.PromptFormat`)"""
 
     def to_json(self) -> dict[str, Any]:
-        """Returns: the metadata dict to store (graft ids hash it: its keys and values never change)."""
-        return {
+        """Returns: the metadata dict to store (graft ids hash it: its keys and values never change, and
+        "prompt_format" is written only when it is not "plain", so plain grafts keep the ids they always had)."""
+        data: dict[str, Any] = {
             "kind": GraftKind.REPLAY.value,
             "problem_id": self.problem_id,
             "problem_sha256": self.problem_sha256,
@@ -137,6 +140,9 @@ class ReplayMetadata:
             "source": self.source.value,
             "cost": self.cost.to_json(),
         }
+        if self.prompt_format != "plain":
+            data["prompt_format"] = self.prompt_format
+        return data
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +171,8 @@ class GraftMetadata:
     """a replay's one problem (without text), else the metadata's "problems" (well-formed entries only)"""
     cost: HarvestCost | None = None
     """a replay's upstream cost"""
+    prompt_format: str | None = None
+    """a replay's prompt format ("plain" when its metadata names none); None for other grafts"""
 
     @classmethod
     def read(cls, metadata: Mapping[str, Any]) -> GraftMetadata:
@@ -191,6 +199,7 @@ class GraftMetadata:
             prompt_tokens_sha256=prompt_sha if isinstance(prompt_sha, str) else None,
             problems=problems,
             cost=HarvestCost.read(metadata.get("cost")) if kind is GraftKind.REPLAY else None,
+            prompt_format=str(metadata.get("prompt_format") or "plain") if kind is GraftKind.REPLAY else None,
         )
 
 

@@ -42,6 +42,8 @@ class IndexEntry:
     """{"id", "problem_sha256"[, "text"]} for each problem whose verified solution the graft holds"""
     summary: str | None = None
     """metadata["summary"] (its first SUMMARY_CHARS characters): what a graft that is not a block is found by"""
+    prompt_format: str | None = None
+    """a replay's prompt format ("plain", "chat"); None for other grafts (and in rows written before it existed)"""
 
     def __post_init__(self) -> None:
         if isinstance(self.kind, str) and self.kind in {kind.value for kind in GraftKind}:
@@ -87,6 +89,7 @@ class IndexEntry:
             prompt_tokens_sha256=meta.prompt_tokens_sha256,
             problems=[ref.to_json() for ref in meta.problems],
             summary=meta.summary,
+            prompt_format=meta.prompt_format,
         )
 
 

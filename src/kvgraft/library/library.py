@@ -59,6 +59,8 @@ class Library:
     replay_by_prompt: dict[str, str] = field(default_factory=dict)
     replay_problems: dict[str, str] = field(default_factory=dict)
     """problem_sha256 -> replay graft id"""
+    replay_by_format: dict[tuple[str, str], str] = field(default_factory=dict)
+    """(prompt format, problem_sha256) -> replay graft id"""
     block_entries: list[Doc] = field(default_factory=list)
     """(graft id, problem id, problem text), one per problem held by a block"""
     other_entries: list[Doc] = field(default_factory=list)
@@ -83,6 +85,7 @@ class Library:
             if entry.kind is GraftKind.REPLAY and entry.prompt_tokens_sha256 and refs:
                 library.replay_by_prompt[entry.prompt_tokens_sha256] = entry.id
                 library.replay_problems[refs[0].problem_sha256] = entry.id
+                library.replay_by_format[(entry.prompt_format or "plain", refs[0].problem_sha256)] = entry.id
             texts = [(entry.id, label, text) for label, text in entry.retrieval_texts()]
             (library.block_entries if entry.kind is GraftKind.BLOCK else library.other_entries).extend(texts)
         return library
@@ -91,15 +94,15 @@ class Library:
         """The replay graft whose prompt tokens equal these, found by their SHA-256."""
         return self.replay_by_prompt.get(sha256_token_ids(prompt_tokens))
 
-    def find_replay_by_problem(self, problem_sha256: str) -> str | None:
-        """The replay graft of a problem, found by the SHA-256 of its text (`Item.text_sha256`).
+    def find_replay_by_problem(self, problem_sha256: str, prompt_format: str = "plain") -> str | None:
+        """The replay graft of a problem in a prompt format, found by the SHA-256 of the problem's text
+        (`Item.text_sha256`).
 
         Unlike `find_replay` this needs no tokenizer and does not depend on how the prompt was encoded (with a
         subword tokenizer, the prompt's own tokens are not always a prefix of the graft's). The graft's
-        fingerprint is still checked when it is restored; that it was made with the prompt format the caller
-        asks in is the caller's to know (one format per store). Several replay grafts of one problem: the last
-        one indexed."""
-        return self.replay_problems.get(problem_sha256)
+        fingerprint is still checked when it is restored. Several replay grafts of one problem in one format
+        (other chat settings): the last one indexed."""
+        return self.replay_by_format.get((prompt_format, problem_sha256))
 
     def holds(self, problem_sha256: str) -> bool:
         """Whether a verified solution of this problem is in the library (the problem is "seen")."""
