@@ -170,7 +170,7 @@ def energy(device: torch.device, model: str, answers: int, budget: int) -> dict[
         items = load_dataset("demo")[:answers]
         params = SamplingParams(max_new_tokens=budget, stop=("\n",))
         engine.generate(prompt_of(items[0].problem), params=SamplingParams(max_new_tokens=2))  # warm-up
-        meter = EnergyMeter(device.type)
+        meter = EnergyMeter(str(device))
         meter.start()
         started = time.perf_counter()
         tokens = sum(len(engine.generate(prompt_of(item.problem), params=params).output_tokens) for item in items)

@@ -115,6 +115,16 @@ def test_actors_under_another_thread_count_are_refused(local_ray: None, driver: 
     )
 
 
+def test_actors_on_cuda_ask_ray_for_a_gpu_each(local_ray: None, driver: Engine) -> None:
+    assert RaySettings.of(None, 2, None, device="cuda:1").gpus_per_worker == 1.0
+    assert RaySettings.of(None, 2, None).gpus_per_worker == 0.0
+    spec = EngineSpec.of(driver, str(driver.store.location))
+    opened = WorkerPool.open(spec, RaySettings(workers=1, cpus_per_worker=0.01, gpus_per_worker=64), driver.fingerprint)
+    with pytest.raises(KvgraftError) as caught, opened:
+        pass
+    assert str(caught.value).startswith("1 Ray workers of 64 GPU(s) need 64 GPUs; the cluster has ")
+
+
 class TestPool:
     """Two actors on the driver's store, shared by these tests."""
 
