@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import fails
 from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
 from typer.testing import CliRunner, Result
 
@@ -210,14 +211,7 @@ def test_a_hub_shaped_spec_that_exists_here_is_local(tmp_path: Path, monkeypatch
 
 def one_error_line(result: Result) -> str:
     """Exit 1, nothing on stdout, no traceback, and exactly one `error:` line on stderr: returns its message."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    return lines[0].removeprefix("error: ")
+    return fails(result).removeprefix("error: ")
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -85,45 +85,11 @@ def test_replicate_on_an_instruct_model_uses_its_chat_template(instruct_dir: Pat
 
 def test_harvest_and_bench_in_the_chat_format(instruct_dir: Path, tmp_path: Path) -> None:
     dataset = _boxed_set(tmp_path / "set.jsonl", 2)
-    store = tmp_path / "store"
-    harvested = ok_json(
-        cli(
-            "harvest",
-            "--solutions",
-            dataset,
-            "--model",
-            instruct_dir,
-            "--store",
-            store,
-            "--prompt-format",
-            "chat",
-            "--system-prompt",
-            "",
-            "--no-blocks",
-            "--json",
-        )
-    )
+    chat = ("--model", instruct_dir, "--store", tmp_path / "store", "--prompt-format", "chat", "--system-prompt", "")
+    harvested = ok_json(cli("harvest", "--solutions", dataset, *chat, "--no-blocks", "--json"))
     assert harvested["verified"] == 2
     data = ok_json(
-        cli(
-            "bench",
-            "--dataset",
-            dataset,
-            "--model",
-            instruct_dir,
-            "--store",
-            store,
-            "--prompt-format",
-            "chat",
-            "--system-prompt",
-            "",
-            "--budget",
-            "4",
-            "--no-code",
-            "--out",
-            tmp_path / "r",
-            "--json",
-        )
+        cli("bench", "--dataset", dataset, *chat, "--budget", 4, "--no-code", "--out", tmp_path / "r", "--json")
     )
     assert list(data["rungs"]) == ["bare", "grafted", "gated"]
     assert [p["grafted"]["path"] for p in data["problems"]] == ["replay", "replay"]

@@ -502,20 +502,17 @@ class WorkerPool:
 def _check_capacity(ray: Any, settings: RaySettings) -> None:
     """Refuse a pool the cluster cannot hold: Ray would otherwise wait forever for the CPUs or GPUs."""
     resources = ray.cluster_resources()
-    cpus = float(resources.get("CPU", 0))
-    wanted = settings.workers * settings.cpus_per_worker
-    if wanted > cpus:
-        raise ClusterError(
-            f"{settings.workers} Ray workers of {settings.cpus_per_worker:g} CPU(s) need {wanted:g} CPUs; "
-            f"the cluster has {cpus:g}: ask for fewer workers or fewer CPUs per worker"
-        )
-    gpus = float(resources.get("GPU", 0))
-    wanted_gpus = settings.workers * settings.gpus_per_worker
-    if wanted_gpus > gpus:
-        raise ClusterError(
-            f"{settings.workers} Ray workers of {settings.gpus_per_worker:g} GPU(s) need {wanted_gpus:g} GPUs; "
-            f"the cluster has {gpus:g}: ask for fewer workers"
-        )
+    for resource, per_worker, fewer in (
+        ("CPU", settings.cpus_per_worker, "ask for fewer workers or fewer CPUs per worker"),
+        ("GPU", settings.gpus_per_worker, "ask for fewer workers"),
+    ):
+        have = float(resources.get(resource, 0))
+        wanted = settings.workers * per_worker
+        if wanted > have:
+            raise ClusterError(
+                f"{settings.workers} Ray workers of {per_worker:g} {resource}(s) need {wanted:g} {resource}s; "
+                f"the cluster has {have:g}: {fewer}"
+            )
 
 
 def _differences(wanted: dict[str, Any], got: dict[str, Any], path: str = "") -> list[str]:
