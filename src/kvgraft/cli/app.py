@@ -45,4 +45,8 @@ keys_app.command("new")(handle_errors(keys.keys_new))
 
 def main() -> None:
     """Run the `kvgraft` command line (the console script's entry point)."""
+    from transformers.utils import logging as transformers_logging
+
+    # transformers draws its own bars while a checkpoint loads and saves; kvgraft's progress bars are the CLI's.
+    transformers_logging.disable_progress_bar()
     app()
