@@ -3,20 +3,31 @@
 Usage: python scripts/train_demo_model.py [--target-accuracy 0.45] [--max-steps 4000]
                                          [--out src/kvgraft/data/demo_model]
 
+On a machine other processes share, run it with OMP_WAIT_POLICY=PASSIVE in the environment: the same weights
+(the thread count and the arithmetic are unchanged), but the two OpenMP threads sleep instead of spinning while
+they wait for a busy core, which otherwise makes every step up to ten times slower.
+
 The demo needs a model that is neither hopeless nor perfect (bare pass@1 between 20% and 70%): trained to the
 end of a full schedule, this one reaches 96% on held-out problems of its family. So the learning rate is constant
 after warmup and training stops at the first evaluation (every --eval-every steps, greedy pass@1 on 100 held-out
 problems) that reaches --target-accuracy. The stopping rule is part of the run: the same command stops at the
 same step with the same weights.
 
-Data: packed 1024-token sequences of worked problems `Q:<problem>\\nA:<steps>. Answer:N\\n` from
-`kvgraft.problems.training_problems` (never an exam problem: checked by text hash). The mix teaches two skills:
-- solving: every document is a fresh problem solved step by step;
-- using worked solutions earlier in the context: a share of documents repeat a problem already solved earlier
-  in the same sequence (the right continuation is the verified solution above: copy it), and a share are near
-  misses of an earlier problem (one number changed: copying would be wrong, it must be solved).
-Question tokens get a lower loss weight than solution tokens (they are mostly unpredictable names and numbers,
-except in repeats, where they teach the model to recognise the repeat).
+Data: packed 1024-token sequences of documents about problems from `kvgraft.flywheel.problems.training_stories`
+(never an exam problem: checked by text hash). The mix teaches three skills:
+- solving: a document `Q:<problem>\\nA:<steps>. Answer:N\\n` is a fresh problem solved step by step;
+- using worked solutions earlier in the context: a share of solving documents repeat a problem already solved
+  earlier in the same sequence (the right continuation is the verified solution above: copy it), and a share are
+  near misses of an earlier problem (one number changed: copying would be wrong, it must be solved);
+- writing a program: a share (CODE_SHARE) of all documents are `Q:<problem>\\nCode:<program>\\n`, a fresh problem
+  answered by the one line `print(<start><events>)` that prints its answer (the evaluation ladder's code rung).
+  Code documents never become earlier solutions: a repeat always has a worked solution above it to copy.
+Question tokens get a lower loss weight than solution and program tokens (they are mostly unpredictable names and
+numbers, except in repeats, where they teach the model to recognise the repeat).
+
+training.json records, besides the run, greedy solving pass@1 and greedy program pass@1 (the program after
+`Code:`, up to a newline, prints the answer; checked here by a pattern match, then `eval` of its arithmetic only)
+on the 100 held-out problems and on the exam.
 
 Determinism: fixed seeds for data and weights, one process, torch threads fixed to 2.
 """
@@ -27,18 +38,22 @@ import argparse
 import hashlib
 import json
 import random
+import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from kvgraft.models.byte_tokenizer import BOS_ID, PAD_ID, build_byte_tokenizer
-from kvgraft.models.demo_model import CONTEXT, SHA_FILE, WEIGHTS_FILE, demo_config
-from kvgraft.problems import (
+from kvgraft.core.sampling import SamplingParams
+from kvgraft.engine.engine import Engine
+from kvgraft.flywheel.answers import extract_integer_answer
+from kvgraft.flywheel.problems import (
     Problem,
     Story,
+    code_prompt_of,
     exam_problems,
     near_miss,
     prompt_of,
@@ -46,13 +61,23 @@ from kvgraft.problems import (
     training_problems,
     training_stories,
 )
+from kvgraft.models.byte_tokenizer import BOS_ID, PAD_ID, build_byte_tokenizer
+from kvgraft.models.demo_model import CONTEXT, SHA_FILE, WEIGHTS_FILE, demo_config
+from kvgraft.store.local import LocalStore
 
+CODE_SHARE = 0.25
+"""share of all documents that are code documents (the rest are solving documents)"""
 REPEAT_SHARE = 0.30
+"""share of solving documents that repeat an earlier solved problem"""
 NEAR_MISS_SHARE = 0.10
+"""share of solving documents that are near misses of an earlier solved problem"""
 QUESTION_WEIGHT = 0.25
+PROGRAM_MAX_TOKENS = 64
+# Only the arithmetic the programs use: what passes this may be given to eval (no names, calls or attributes).
+_PROGRAM = re.compile(r"^print\(([0-9+\-* ]+)\)$")
 
 
-def sequences(seed: int, batch: int):  # type: ignore[no-untyped-def]
+def sequences(seed: int, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yields (input_ids, loss_weights) tensors of shape [batch, CONTEXT], forever, deterministically."""
     tokenizer = build_byte_tokenizer()
     rng = random.Random(seed)
@@ -69,6 +94,17 @@ def sequences(seed: int, batch: int):  # type: ignore[no-untyped-def]
                 if not pool:
                     pool_seed += 1
                     pool = training_stories(pool_seed, 512)
+                if rng.random() < CODE_SHARE:
+                    problem = render(pool.pop())
+                    if problem.text_sha256 in exam:
+                        continue
+                    question = tokenizer(code_prompt_of(problem.text), add_special_tokens=False)["input_ids"]
+                    program = tokenizer(problem.program + "\n", add_special_tokens=False)["input_ids"]
+                    if len(tokens) + len(question) + len(program) > CONTEXT:
+                        break
+                    tokens += question + program
+                    wts += [QUESTION_WEIGHT] * len(question) + [1.0] * len(program)
+                    continue
                 roll = rng.random()
                 if earlier and roll < REPEAT_SHARE:
                     story = rng.choice(earlier)
@@ -91,20 +127,54 @@ def sequences(seed: int, batch: int):  # type: ignore[no-untyped-def]
         yield ids, weights
 
 
+def _engine(model: torch.nn.Module) -> Engine:
+    # Generation never touches the store; a path that does not exist makes sure nothing is written.
+    return Engine(model, build_byte_tokenizer(), "demo", store=LocalStore(Path("/nonexistent")))  # type: ignore[arg-type]
+
+
 def greedy_pass_at_1(model: torch.nn.Module, problems: list[Problem]) -> tuple[float, float]:
     """(accuracy, mean decode tokens) with greedy decoding from `<bos>Q:...\\nA:`, stopping at a newline."""
-    from kvgraft.answers import extract_integer_answer
-    from kvgraft.engine import Engine
-    from kvgraft.receipt import SamplingParams
-    from kvgraft.store import LocalStore
-
-    engine = Engine(model, build_byte_tokenizer(), "demo", store=LocalStore(Path("/nonexistent")))  # type: ignore[arg-type]
+    engine = _engine(model)
     correct, tokens = 0, 0
     for problem in problems:
         result = engine.generate(prompt_of(problem.text), params=SamplingParams(max_new_tokens=160, stop=("\n",)))
         correct += extract_integer_answer(result.text) == problem.answer
         tokens += len(result.output_tokens)
     return correct / len(problems), tokens / len(problems)
+
+
+def program_value(program: str) -> int | None:
+    """What a one-line program prints, if it is `print(<integer arithmetic>)`.
+
+    The pattern admits only digits, + - * and spaces inside `print(...)`, and `**` is refused (a power can take
+    unbounded time), so `eval` of the inner expression runs small arithmetic and nothing else (the real code rung
+    runs programs in the sandbox).
+
+    Args:
+        program: the model's program line.
+
+    Returns:
+        The printed integer; None for anything else (another shape, or operators in a wrong order).
+    """
+    match = _PROGRAM.match(program)
+    if match is None or "**" in match.group(1):
+        return None
+    try:
+        value = eval(match.group(1), {"__builtins__": {}}, {})  # checked above: + - * on integers only
+    except SyntaxError:  # e.g. "3+" or "07": digits and operators in a wrong order
+        return None
+    return value if isinstance(value, int) else None
+
+
+def program_pass_at_1(model: torch.nn.Module, problems: list[Problem]) -> float:
+    """Fraction whose greedy program from `<bos>Q:...\\nCode:` (up to a newline) prints the answer."""
+    engine = _engine(model)
+    params = SamplingParams(max_new_tokens=PROGRAM_MAX_TOKENS, stop=("\n",))
+    correct = 0
+    for problem in problems:
+        result = engine.generate(code_prompt_of(problem.text), params=params)
+        correct += program_value(result.text.split("\n", 1)[0].strip()) == problem.answer
+    return correct / len(problems)
 
 
 def main() -> None:
@@ -163,7 +233,10 @@ def main() -> None:
     train_minutes = (time.perf_counter() - started) / 60
     model.eval()
     accuracy, mean_tokens = greedy_pass_at_1(model, held_out)
-    exam_accuracy, _ = greedy_pass_at_1(model, exam_problems())
+    exam = exam_problems()
+    exam_accuracy, _ = greedy_pass_at_1(model, exam)
+    program_accuracy = program_pass_at_1(model, held_out)
+    exam_program_accuracy = program_pass_at_1(model, exam)
     args.out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(args.out / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -186,8 +259,15 @@ def main() -> None:
         "held_out_greedy_pass_at_1": accuracy,
         "held_out_mean_decode_tokens": mean_tokens,
         "exam_greedy_pass_at_1": exam_accuracy,
+        "held_out_program_pass_at_1": program_accuracy,
+        "exam_program_pass_at_1": exam_program_accuracy,
         "seed": args.seed,
-        "mix": {"repeat": REPEAT_SHARE, "near_miss": NEAR_MISS_SHARE, "question_loss_weight": QUESTION_WEIGHT},
+        "mix": {
+            "code_share": CODE_SHARE,
+            "repeat": REPEAT_SHARE,
+            "near_miss": NEAR_MISS_SHARE,
+            "question_loss_weight": QUESTION_WEIGHT,
+        },
     }
     (args.out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
     print(json.dumps(facts, indent=1))
