@@ -66,6 +66,26 @@ def assemble(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return dict(zip(names, _assembly_pool().map(join, names), strict=True))
 
 
+def empty_assembly(shapes: dict[str, list[int]], count: int, dtype: str) -> dict[str, torch.Tensor]:
+    """Per-layer tensors for `count` blocks, to be filled block by block in place (what `assemble` returns,
+    preallocated).
+
+    Args:
+        shapes: Each tensor of a block with its shape, [1, kv_heads, C, head_dim].
+        count: The number of blocks.
+        dtype: The torch dtype name of the graft's tensors.
+
+    Returns:
+        Uninitialised contiguous tensors [1, kv_heads, count * C, head_dim] by name; none when there is no block.
+    """
+    if count == 0:
+        return {}
+    kind = getattr(torch, dtype)
+    return {
+        name: torch.empty([*shape[:-2], shape[-2] * count, shape[-1]], dtype=kind) for name, shape in shapes.items()
+    }
+
+
 @functools.cache
 def _assembly_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="kvgraft-assemble")

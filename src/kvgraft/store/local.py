@@ -22,7 +22,7 @@ import torch
 
 from kvgraft.core.errors import FormatError, IntegrityError, MissingBlockError, NotFoundError, StoreError
 from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
-from kvgraft.format.blocks import BLOCK_SUFFIX, assemble
+from kvgraft.format.blocks import BLOCK_SUFFIX
 from kvgraft.format.manifest import (
     MANIFEST_NAME,
     BlockRef,
@@ -35,6 +35,7 @@ from kvgraft.format.tensor_files import (
     block_file_bytes,
     declared_block_digest,
     read_block_checked,
+    read_blocks_assembled,
     read_tensors_checked,
     tensors_file_bytes,
 )
@@ -356,12 +357,16 @@ class LocalStore:
         manifest = self.manifest(graft_id)
         try:
             tensors = read_tensors_checked(self._grafts / manifest.id / manifest.tensors_file, manifest)
-            shapes = expected_block_shapes(manifest)
-            blocks = [self.read_block(ref.key, ref, shapes, manifest.dtype)[1] for ref in manifest.blocks]
+            # Each block read into its place in the per-layer tensors and hashed there: one pass, no second copy.
+            blocks = read_blocks_assembled(
+                [(self.block_path(ref.key), ref) for ref in manifest.blocks],
+                expected_block_shapes(manifest),
+                manifest.dtype,
+            )
         except FormatError:
             self._raise_if_removed(manifest.id)
             raise
-        return StoredGraft(manifest, assemble(blocks) | tensors)
+        return StoredGraft(manifest, blocks | tensors)
 
     def _raise_if_removed(self, graft_id: GraftId) -> None:
         """A file of a graft missing because another process removed the graft meanwhile is no damage: NotFoundError

@@ -56,7 +56,7 @@ from kvgraft.core.errors import (
     StoreError,
 )
 from kvgraft.core.hashing import BlockKey, GraftId, Sha256Hex
-from kvgraft.format.blocks import BLOCK_SUFFIX
+from kvgraft.format.blocks import BLOCK_SUFFIX, empty_assembly
 from kvgraft.format.manifest import (
     MANIFEST_NAME,
     BlockRef,
@@ -473,7 +473,7 @@ class S3Store:
         are freed at once. When anything fails, nothing is returned and no fetch is left running."""
         manifest = self.manifest(graft_id)
         shapes = expected_block_shapes(manifest)
-        assembled = _empty_assembly(shapes, len(manifest.blocks), manifest.dtype)
+        assembled = empty_assembly(shapes, len(manifest.blocks), manifest.dtype)
 
         def fetch_into(index: int) -> None:
             ref = manifest.blocks[index]
@@ -585,25 +585,6 @@ def _stop(pending: list[Future[R]]) -> None:
     for future in pending:
         future.cancel()
     wait(pending)
-
-
-def _empty_assembly(shapes: dict[str, list[int]], count: int, dtype: str) -> dict[str, torch.Tensor]:
-    """Per-layer tensors for `count` blocks, to be filled block by block (what `assemble` returns, preallocated).
-
-    Args:
-        shapes: Each tensor of a block with its shape, [1, kv_heads, C, head_dim].
-        count: The number of blocks.
-        dtype: The torch dtype name of the graft's tensors.
-
-    Returns:
-        Uninitialised tensors [1, kv_heads, count * C, head_dim] by name; none when there is no block.
-    """
-    if count == 0:
-        return {}
-    kind = getattr(torch, dtype)
-    return {
-        name: torch.empty([*shape[:-2], shape[-2] * count, shape[-1]], dtype=kind) for name, shape in shapes.items()
-    }
 
 
 def _age_s(modified: datetime) -> float:
