@@ -43,16 +43,7 @@ def progress(label: str, enabled: bool) -> Iterator[ChunkCallback | None]:
     Yields:
         A `(done, total)` callback that moves the bar, or None when there is no bar.
     """
-    if not enabled or not err.is_terminal:
-        yield None
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task(label, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with progress_with_tokens(label, enabled) as (update, _):
         yield update
 
 

@@ -35,8 +35,9 @@ from kvgraft.engine.verify import verify_receipt
 from kvgraft.flywheel.answers import answers_match
 from kvgraft.flywheel.datasets import Item
 from kvgraft.flywheel.energy import EnergyMeter, EnergyReading
-from kvgraft.flywheel.harvest import HarvestSummary, Prompter, budget_for
-from kvgraft.flywheel.prompting import PromptSpec
+from kvgraft.flywheel.harvest import HarvestSummary, budget_for
+from kvgraft.flywheel.problems import ANSWER_MARK
+from kvgraft.flywheel.prompting import Prompter, PromptSpec
 from kvgraft.flywheel.sandbox import SandboxLimits, run_program
 from kvgraft.flywheel.stats import mean_interval, wilson_interval
 from kvgraft.format.metadata import GraftKind, GraftMetadata, HarvestCost
@@ -467,7 +468,7 @@ class BenchSummary:
         return data
 
 
-def answer_confidence(engine: Engine, result: GenerationResult, answer_only: bool, mark: str = "Answer:") -> float:
+def answer_confidence(engine: Engine, result: GenerationResult, answer_only: bool, mark: str = ANSWER_MARK) -> float:
     """How sure the model was of its answer.
 
     Args:

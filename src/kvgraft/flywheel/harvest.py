@@ -22,11 +22,9 @@ from kvgraft.core.hashing import GraftId, sha256_token_ids
 from kvgraft.engine.engine import Engine
 from kvgraft.flywheel.answers import answers_match, extract_answer
 from kvgraft.flywheel.datasets import Item
-from kvgraft.flywheel.prompting import ChatPrompter, PlainPrompter, PromptSpec
+from kvgraft.flywheel.prompting import PlainPrompter, Prompter, PromptSpec
 from kvgraft.format.metadata import BlockMetadata, HarvestCost, ProblemRef, ReplayMetadata, SolutionSource
 from kvgraft.models.loading import max_positions
-
-Prompter = PlainPrompter | ChatPrompter
 
 ItemCallback = Callable[[int, int], None]
 """called after each item with (items done, items in all)"""

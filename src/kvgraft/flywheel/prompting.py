@@ -14,7 +14,7 @@ demo model is trained to write `print(<expression>)`); `chat` asks for a program
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -84,19 +84,26 @@ class ChatSettings:
 
     def to_json(self) -> dict[str, Any]:
         """Returns: every field by name."""
-        return {
-            "system_prompt": self.system_prompt,
-            "instruction": self.instruction,
-            "code_instruction": self.code_instruction,
-        }
+        return asdict(self)
 
 
 class Prompter(Protocol):
     """One prompt format, bound to a tokenizer."""
 
-    format: PromptFormat
-    stop: StopRule
-    answer_mark: str
+    @property
+    def format(self) -> PromptFormat:
+        """Which format this is."""
+        ...
+
+    @property
+    def stop(self) -> StopRule:
+        """What ends an answer."""
+        ...
+
+    @property
+    def answer_mark(self) -> str:
+        """What a replay graft ends with: the model continues with the answer."""
+        ...
 
     def prompt(self, problem: str) -> str:
         """The exact prompt text the model is asked (encoded as a context start, BOS added by the tokenizer)."""
