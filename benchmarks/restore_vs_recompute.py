@@ -2,7 +2,7 @@
 raw read + SHA-256 of the same bytes, side by side in one run.
 
 Usage: python benchmarks/restore_vs_recompute.py [--sizes 512,1024,2048,4096,8192] [--layers 16] [--json]
-       [--profile]
+       [--profile] [--attention sdpa,kvgraft_sdpa]
 
 The model has Llama-3.2-1B layer shapes (fp32, byte vocabulary, random weights). For each prefix length n the
 graft holds n tokens; the query adds 16 prompt tokens and asks for one new token. "Restored" time to first token
@@ -18,6 +18,9 @@ bytes (warm page cache): "load / read+sha" and "load / read" (the memory limit).
 `--profile` instead breaks the cold restored time to first token into its phases (medians of --repeats runs): the
 store's functions are wrapped with timers for the run, so each phase is wall time in the calling thread, except
 the per-block reads, which run on a pool: their sum over the pool's threads is shown, and the load's wall time.
+
+`--attention sdpa,kvgraft_sdpa` measures every size under transformers' sdpa and under kvgraft's (no key/value
+copies for grouped heads; the same bytes, which the last line checks), one after the other in the same run.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvgraft.core.attention import FAST_SDPA
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
 from kvgraft.format import blocks as blocks_module
@@ -176,6 +180,7 @@ def measure(engine: Engine, n: int, repeats: int, loads: list[str]) -> list[dict
                 "raw_read_gb_s": size / read / 1e9,
                 "load_over_read": load / read,
                 "exact": exact,
+                "logits_chain_sha256": fresh.logits_chain,
             }
         )
     return rows
@@ -303,6 +308,12 @@ def main() -> None:
         "--compare-paths", action="store_true", help="the block-by-block load vs store.get, side by side, instead"
     )
     parser.add_argument(
+        "--attention",
+        default=FAST_SDPA,
+        help=f"attention implementations measured one after the other, comma-separated, of sdpa, {FAST_SDPA} "
+        "(the same bytes: transformers' sdpa, and kvgraft's without its key/value copies); each row says which",
+    )
+    parser.add_argument(
         "--loads",
         default="store_get",
         help=f"load paths timed side by side, comma-separated, of {', '.join(LOAD_PATHS)} (the recompute is shared)",
@@ -311,11 +322,16 @@ def main() -> None:
     loads = args.loads.split(",")
     if not set(loads) <= set(LOAD_PATHS):
         parser.error(f"--loads: one or more of {', '.join(LOAD_PATHS)}")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    attentions = args.attention.split(",")
+    if not set(attentions) <= {"sdpa", FAST_SDPA}:
+        parser.error(f"--attention: one or more of sdpa, {FAST_SDPA}")
     model = llama_1b_like(args.layers)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgraft-bench-", dir=".") as tmp:
         root = Path(args.store) if args.store else Path(tmp)
         engine = Engine(model, build_byte_tokenizer(), "bench:llama-1b-like", args.chunk_size, LocalStore(root))
+        model.set_attn_implementation(attentions[0])
         if args.compare_paths:
             print("| tokens | path | cold ms | warm ms | warm / raw read+SHA-256 | warm / raw read | same bytes |")
             print("|---:|---|---:|---:|---:|---:|:---:|")
@@ -343,8 +359,10 @@ def main() -> None:
                     for phase, seconds in table:
                         print(f"| {phase} | {seconds * 1000:.1f} | {100 * seconds / total:.1f} |")
             return
-        for n in [int(s) for s in args.sizes.split(",")]:
-            rows.extend(measure(engine, n, args.repeats, loads))
+        for n in sizes:
+            for attention in attentions:
+                model.set_attn_implementation(attention)  # the same bytes: the grafts stay valid under both
+                rows.extend({"attention": attention} | row for row in measure(engine, n, args.repeats, loads))
             print(f"done {n} tokens", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"layers": args.layers, "threads": torch.get_num_threads(), "rows": rows}))
@@ -354,18 +372,24 @@ def main() -> None:
         f"{torch.get_num_threads()} threads; medians of {args.repeats} (recompute: 1 run)"
     )
     print(
-        "| prefix tokens | load | graft MB | TTFT recompute | TTFT restore cold | TTFT restore warm | speed-up cold | "
-        "load+verify GB/s | raw read+SHA-256 GB/s | raw read GB/s | load / read+sha | load / read | exact |"
+        "| prefix tokens | attention | load | graft MB | TTFT recompute | TTFT restore cold | TTFT restore warm | "
+        "speed-up cold | load+verify GB/s | "
+        "raw read+SHA-256 GB/s | raw read GB/s | load / read+sha | load / read | exact |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for r in rows:
         print(
-            f"| {r['tokens']} | {r['load_path']} | {r['graft_bytes'] / 1e6:,.0f} | {r['ttft_recompute_s']:.2f} s | "
+            f"| {r['tokens']} | {r['attention']} | {r['load_path']} | {r['graft_bytes'] / 1e6:,.0f} | "
+            f"{r['ttft_recompute_s']:.2f} s | "
             f"{r['ttft_restore_cold_s'] * 1000:.0f} ms | {r['ttft_restore_warm_s'] * 1000:.0f} ms | "
             f"{r['speedup_cold']:.0f}x | {r['load_verify_gb_s']:.2f} | {r['raw_read_sha256_gb_s']:.2f} | "
             f"{r['raw_read_gb_s']:.2f} | {r['load_over_raw']:.2f} | {r['load_over_read']:.2f} | "
             f"{'yes' if r['exact'] else 'NO'} |"
         )
+    if len(attentions) > 1:
+        same = all(len({r["logits_chain_sha256"] for r in rows if r["tokens"] == n}) == 1 for n in sizes)
+        verdict = "yes" if same else "NO"
+        print(f"\nfirst-token logits the same under {' and '.join(attentions)} at every size: {verdict}")
 
 
 if __name__ == "__main__":

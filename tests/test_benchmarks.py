@@ -69,6 +69,31 @@ def test_restore_vs_recompute_at_ci_scale(tmp_path: Path) -> None:
     assert min(row["ttft_recompute_s"], row["ttft_restore_cold_s"], row["ttft_restore_warm_s"]) > 0
 
 
+def test_restore_vs_recompute_under_both_attentions(tmp_path: Path) -> None:
+    args = ("--sizes", "64", "--layers", "1", "--repeats", "1", "--attention", "sdpa,kvgraft_sdpa")
+    data = _run("restore_vs_recompute.py", *args, cwd=tmp_path)
+    rows = data["rows"]
+    assert [(row["tokens"], row["attention"]) for row in rows] == [(64, "sdpa"), (64, "kvgraft_sdpa")]
+    assert all(row["exact"] for row in rows)
+    # The same first-token logits under both: a graft made under one is continued exactly under the other.
+    assert rows[0]["logits_chain_sha256"] == rows[1]["logits_chain_sha256"]
+
+
+def test_byte_limits_at_ci_scale(tmp_path: Path) -> None:
+    data = _run("byte_limits.py", "--mb", "8", "--tokens", "64", "--layers", "1", "--levels", "1", cwd=tmp_path)
+    limits = data["limits"]
+    assert limits["megabytes"] == 8 and limits["cores"] >= 1
+    assert all(value > 0 for key, value in limits.items() if key.endswith("_gb_s"))
+    rows = data["compression"]
+    sources = {row["source"] for row in rows}
+    assert len(sources) == 5 and any(source.startswith("demo model") for source in sources)
+    assert {row["codec"] for row in rows} == {"zstd-1", "shuffle+zstd-1", "bitshuffle+zstd-1", "shuffle+lz4-1"}
+    for row in rows:
+        assert row["lossless"] is True and row["ratio"] > 0 and row["decompress_gb_s"] > 0
+        assert row["pays_below_disk_gb_s"] == pytest.approx(row["decompress_gb_s"] * (1 - 1 / row["ratio"]))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_serve_load_at_ci_scale(tmp_path: Path) -> None:
     data = _run("serve_load.py", "--requests", "6", "--concurrency", "3", "--max-tokens", "2", cwd=tmp_path)
     assert data["errors"] == 0 and data["model"] == "demo"

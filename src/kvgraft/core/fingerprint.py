@@ -29,6 +29,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft.core import reproducibility
+from kvgraft.core.attention import bytes_family
 from kvgraft.core.errors import EnvironmentMismatchError, FingerprintMismatchError
 from kvgraft.core.hashing import Sha256Hex, sha256_json, sha256_tensor
 
@@ -108,7 +109,7 @@ def model_identity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
         "config_sha256": config_sha256(model.config),
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "dtype": str(model.dtype).removeprefix("torch."),
-        "attn_implementation": str(model.config._attn_implementation),
+        "attn_implementation": bytes_family(str(model.config._attn_implementation)),
     }
 
 

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgraft.core import reproducibility
+from kvgraft.core.attention import use_in_place_gqa
 from kvgraft.core.cache_state import LayerKind, record_kv, restore
 from kvgraft.core.decode import Generation, TokenCallback, decode
 from kvgraft.core.errors import (
@@ -202,6 +203,7 @@ class Engine:
         store: GraftStore | None = None,
         allow_environment_mismatch: bool = False,
     ) -> None:
+        use_in_place_gqa(model)  # the same bytes as transformers' sdpa with fewer copies (kvgraft.core.attention)
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
