@@ -18,6 +18,7 @@ bytes (warm page cache): "load / read+sha" and "load / read" (the memory limit).
 `--profile` instead breaks the cold restored time to first token into its phases (medians of --repeats runs): the
 store's functions are wrapped with timers for the run, so each phase is wall time in the calling thread, except
 the per-block reads, which run on a pool: their sum over the pool's threads is shown, and the load's wall time.
+Then one more cold restore runs under torch's profiler, which gives the operators that take the time.
 
 `--attention sdpa,kvgraft_sdpa` measures every size under transformers' sdpa and under kvgraft's (no key/value
 copies for grouped heads; the same bytes, which the last line checks), one after the other in the same run.
@@ -261,6 +262,19 @@ def profile(engine: Engine, n: int, repeats: int) -> list[tuple[str, float]]:
     return [(phase, statistics.median(r.get(phase, 0.0) for r in runs)) for phase in order if phase in runs[0]]
 
 
+def op_profile(engine: Engine, n: int, top: int = 6) -> list[tuple[str, float]]:
+    """Self CPU ms of the torch operators that take most of one cold restored TTFT (the graft of `profile`), and
+    the rest, from torch's profiler."""
+    put = engine.put(_text(n))
+    assert isinstance(engine.store, LocalStore)
+    for path in _graft_files(engine.store, put.id):
+        _evict(path)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.generate(PROMPT, graft_id=put.id, params=ONE_TOKEN)
+    ops = sorted(((e.key, e.self_cpu_time_total / 1000) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    return [*ops[:top], ("other operators", sum(ms for _, ms in ops[top:]))]
+
+
 def compare_paths(engine: Engine, n: int, repeats: int) -> dict[str, float | int | bool]:
     """The block-by-block load and `store.get`, cold and warm, interleaved in one run (medians of `repeats`)."""
     put = engine.put(_text(n))
@@ -358,6 +372,12 @@ def main() -> None:
                     print("| phase | ms | % of TTFT |\n|---|---:|---:|")
                     for phase, seconds in table:
                         print(f"| {phase} | {seconds * 1000:.1f} | {100 * seconds / total:.1f} |")
+                    ops = op_profile(engine, n)
+                    every = sum(ms for _, ms in ops)
+                    print(f"\ntorch operators of one more cold restore ({attentions[0]}), self CPU time")
+                    print("| operator | ms | % |\n|---|---:|---:|")
+                    for op, ms in ops:
+                        print(f"| {op} | {ms:.1f} | {100 * ms / every:.1f} |")
             return
         for n in sizes:
             for attention in attentions:
