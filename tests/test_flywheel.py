@@ -273,3 +273,13 @@ def test_tally_with_samples_counts_pass_at_k_and_a_problem_level_interval() -> N
     # Every problem at the same accuracy: no spread to measure, so Wilson's interval over problems.
     assert mean_interval([1.0, 1.0, 1.0]) == wilson_interval(3, 3)
     assert mean_interval([]) == (0.0, 1.0)
+
+
+def test_wilson_interval_holds_the_proportion_at_every_count() -> None:
+    # At 4/4, 10/10, 14/14, ... the formula's upper end rounded to 1 - 1e-16, below the accuracy itself: the
+    # report's error bars then had a negative length and matplotlib refused to draw the ladder.
+    for n in range(1, 301):
+        for correct in range(n + 1):
+            low, high = wilson_interval(correct, n)
+            assert 0.0 <= low <= correct / n <= high <= 1.0
+    assert wilson_interval(4, 4)[1] == 1.0 and wilson_interval(0, 4)[0] == 0.0

@@ -22,7 +22,8 @@ def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, f
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # The interval holds p exactly; at 0 and n rounding can leave its end a hair inside (1 - 1e-16), so clamp.
+    return (min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)))
 
 
 def mean_interval(values: list[float], z: float = 1.959964) -> tuple[float, float]:
