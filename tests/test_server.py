@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from kvgraft.cli import app as cli_app
 from kvgraft.engine.engine import Engine
 from kvgraft.engine.verify import verify_receipt
+from kvgraft.flywheel.problems import prompt_of, training_problems
 from kvgraft.format.receipt import parse_receipt
 from kvgraft.server import ServerConfig, create_app
 from kvgraft.server.background import serve_in_thread
@@ -366,10 +367,10 @@ def test_health_and_metrics(served: Served) -> None:
 # --- the demo model -----------------------------------------------------------------------------------------------
 
 
-DEMO_BLOCK = (
-    "Q:Ada has 3 cards. Gets 4 cards. How many cards does Ada have?\nA:3+4=7. Answer:7\n"
-    "Q:Ben has 9 shells. Loses 2 shells. How many shells does Ben have?\nA:9-2=7. Answer:7\n"
-)
+# Two worked problems of the family the demo model was trained on, and a third to ask (hand-written problems in
+# another style lead the model off its format: it learned programs as well as worked solutions).
+DEMO_PROBLEMS = training_problems(7, 3)
+DEMO_BLOCK = "".join(prompt_of(p.text) + p.solution + "\n" for p in DEMO_PROBLEMS[:2])
 
 
 def test_demo_model_answers_with_a_retrieved_graft(tmp_path: Path) -> None:
@@ -378,17 +379,16 @@ def test_demo_model_answers_with_a_retrieved_graft(tmp_path: Path) -> None:
     with serve_in_thread(create_app(engine, ServerConfig(api_key=KEY))) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
         http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-        made = http.post(
-            "/v1/grafts", json={"text": DEMO_BLOCK, "metadata": {"summary": "cards shells Ada Ben worked problems"}}
-        ).json()
-        question = "Q:Ada has 5 cards. Gets 2 cards. How many cards does Ada have?\nA:"
+        summary = " ".join(p.text for p in DEMO_PROBLEMS[:2])
+        made = http.post("/v1/grafts", json={"text": DEMO_BLOCK, "metadata": {"summary": summary}}).json()
+        question = prompt_of(DEMO_PROBLEMS[2].text)
         grafted = client.completions.create(
-            model="demo", prompt=question, max_tokens=40, stop=["\n"], extra_body={"kvgraft": {"include_receipt": True}}
+            model="demo", prompt=question, max_tokens=80, stop=["\n"], extra_body={"kvgraft": {"include_receipt": True}}
         )
         fresh = client.completions.create(
             model="demo",
             prompt=DEMO_BLOCK + question,
-            max_tokens=40,
+            max_tokens=80,
             stop=["\n"],
             extra_body={"kvgraft": {"retrieve": False, "include_receipt": True}},
         )

@@ -7,8 +7,8 @@ model with 4 query heads per KV head. On the CPU, torch's kernel reads the share
 (`enable_gqa=True`) and returns bit for bit what it returns on the copies (tested over dtypes, head groupings,
 lengths, thread counts and every random architecture), so `kvgraft_sdpa` takes that path and hands every other case
 (one query: decoding, no mask, no head groups, softcap or position bias, other devices) to transformers' own
-function unchanged. Measured on Llama-1B shapes at 4096 cached tokens, 1 thread: the 24-token prompt about 16%
-faster, a 64-token chunk about 9% (README, "The prompt after the restore").
+function unchanged. Measured on Llama-1B shapes, 1 thread, idle: the 24-token prompt after a 4096-token graft 22%
+faster (3.51 -> 2.73 s), the fresh 4096-token prefill 3% (README, "The prompt after the restore").
 
 Because the bytes are sdpa's, a graft's fingerprint records `sdpa` for it (`bytes_family`): grafts made with
 either implementation are the same grafts.
@@ -76,9 +76,9 @@ def gqa_sdpa_forward(
 
 
 def _register() -> None:
-    if FAST_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(FAST_SDPA, gqa_sdpa_forward)
-        AttentionMaskInterface.register(FAST_SDPA, sdpa_mask)
+    # transformers builds no mask for an attention name it does not know, so sdpa's mask builder goes with it.
+    AttentionInterface.register(FAST_SDPA, gqa_sdpa_forward)
+    AttentionMaskInterface.register(FAST_SDPA, sdpa_mask)
 
 
 def use_in_place_gqa(model: PreTrainedModel) -> None:
