@@ -34,6 +34,7 @@ import blake3
 import blosc2
 import numpy as np
 import torch
+from restore_vs_recompute import _evict
 from transformers import DynamicCache, PreTrainedModel
 
 from kvgraft.core.schedule import ChunkSchedule, forward_tokens
@@ -52,14 +53,6 @@ def _gb_s(size: int, fn: Callable[[], object], repeats: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return size / statistics.median(times) / 1e9
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def limits(megabytes: int) -> dict[str, float]:

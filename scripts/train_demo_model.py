@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from kvgraft.core.sampling import SamplingParams
 from kvgraft.engine.engine import Engine
@@ -77,6 +77,18 @@ PROGRAM_MAX_TOKENS = 64
 _PROGRAM = re.compile(r"^print\(([0-9+\-* ]+)\)$")
 
 
+def _append(tokenizer: PreTrainedTokenizerBase, tokens: list[int], wts: list[float], question: str, body: str) -> bool:
+    """Append one document (the question at QUESTION_WEIGHT, then its body and a newline at full weight) to the
+    sequence being packed, if it fits in CONTEXT; returns whether it did."""
+    asked = tokenizer(question, add_special_tokens=False)["input_ids"]
+    written = tokenizer(body + "\n", add_special_tokens=False)["input_ids"]
+    if len(tokens) + len(asked) + len(written) > CONTEXT:
+        return False
+    tokens.extend(asked + written)
+    wts.extend([QUESTION_WEIGHT] * len(asked) + [1.0] * len(written))
+    return True
+
+
 def sequences(seed: int, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yields (input_ids, loss_weights) tensors of shape [batch, CONTEXT], forever, deterministically."""
     tokenizer = build_byte_tokenizer()
@@ -98,12 +110,8 @@ def sequences(seed: int, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tenso
                     problem = render(pool.pop())
                     if problem.text_sha256 in exam:
                         continue
-                    question = tokenizer(code_prompt_of(problem.text), add_special_tokens=False)["input_ids"]
-                    program = tokenizer(problem.program + "\n", add_special_tokens=False)["input_ids"]
-                    if len(tokens) + len(question) + len(program) > CONTEXT:
+                    if not _append(tokenizer, tokens, wts, code_prompt_of(problem.text), problem.program):
                         break
-                    tokens += question + program
-                    wts += [QUESTION_WEIGHT] * len(question) + [1.0] * len(program)
                     continue
                 roll = rng.random()
                 if earlier and roll < REPEAT_SHARE:
@@ -115,12 +123,8 @@ def sequences(seed: int, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tenso
                 problem = render(story)
                 if problem.text_sha256 in exam:  # a near miss may land on an exam problem: never train on it
                     continue
-                question = tokenizer(prompt_of(problem.text), add_special_tokens=False)["input_ids"]
-                answer = tokenizer(problem.solution + "\n", add_special_tokens=False)["input_ids"]
-                if len(tokens) + len(question) + len(answer) > CONTEXT:
+                if not _append(tokenizer, tokens, wts, prompt_of(problem.text), problem.solution):
                     break
-                tokens += question + answer
-                wts += [QUESTION_WEIGHT] * len(question) + [1.0] * len(answer)
                 earlier.append(story)
             ids[row, : len(tokens)] = torch.tensor(tokens)
             weights[row, : len(wts)] = torch.tensor(wts)
