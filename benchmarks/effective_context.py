@@ -1,13 +1,15 @@
 """Effective context: a library of grafts far larger than the model's window, served under a fixed memory budget.
 
-Usage: python benchmarks/effective_context.py [--scale 1.0] [--store DIR] [--queries 200] [--json]
+Usage: python benchmarks/effective_context.py [--scale 1.0 | --tokens N] [--workers 1] [--store DIR] [--queries 200]
+       [--json]
 
 Builds (or reuses, in --store) a library of context blocks for the demo model (window 1,024 tokens): worked
-problems packed into blocks of about 1,000 tokens, 2,854,766 library tokens at --scale 1 (the published figure).
-Then, for the library at 1%, 10% and 100% of its grafts, a fresh process serves a stream of queries (problems
-held in the library): BM25 retrieval of the best block, restore with an LRU RAM tier bounded at --cache-mb, and
-time to first token. It reports library tokens vs the window, bytes on disk, peak resident memory per library
-size, retrieval and restore latency p50/p99, and time to first token with the block restored vs recomputed.
+problems packed into blocks of about 1,000 tokens, 2,854,766 library tokens at --scale 1 (the published figure),
+built by --workers processes. Then, for the library at 1%, 10% and 100% of its grafts (the smaller ones as stores of
+their own, hard links into the big one), a fresh process serves a stream of queries (problems held in the library):
+BM25 retrieval of the best block, restore with an LRU RAM tier bounded at --cache-mb, and time to first token. It
+reports library tokens vs the window, bytes on disk, peak resident memory per library size, retrieval and restore
+latency p50/p99, and time to first token with the block restored vs recomputed.
 
 Then the dedup check: --dedup-grafts grafts that share a 1,024-token preamble (random:gemma3, which has sliding
 and full layers and 4,096 positions; C=64), built into a store of their own. It reports block files and bytes on
@@ -19,7 +21,9 @@ recompute.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import random
 import resource
 import statistics
@@ -71,15 +75,40 @@ def dedup(store_dir: Path, grafts: int) -> dict[str, Any]:
     }
 
 
-def build(store_dir: Path, target_tokens: int) -> None:
+def build(store_dir: Path, target_tokens: int, workers: int) -> None:
+    """Fill the store to `target_tokens` library tokens with `workers` processes (one torch thread each by default,
+    so one per core), each building its own share from its own seeds; the store's lock keeps their puts apart."""
+    if workers == 1:
+        build_part(store_dir, target_tokens, 0, 1)
+        return
+    share = -(-target_tokens // workers)
+    command = [sys.executable, __file__, "--tokens", str(share), "--store", str(store_dir), "--build-part"]
+    children = [subprocess.Popen([*command, f"{k}/{workers}"]) for k in range(workers)]
+    failed = [child.args for child in children if child.wait() != 0]
+    if failed:
+        raise SystemExit(f"{len(failed)} build worker(s) failed")
+
+
+def build_part(store_dir: Path, target_tokens: int, part: int, parts: int) -> None:
+    """Worker `part` of `parts`: blocks from seeds 500,001 + part, + parts, ... until they hold `target_tokens`
+    tokens. Blocks this worker stored before (a resumed build) are counted, not built again."""
     from kvgraft.engine.engine import Engine
     from kvgraft.flywheel.problems import prompt_of, training_problems
 
     engine = Engine.load("demo", store=str(store_dir))
-    have = sum(len(engine.store.manifest(i).tokens) for i in engine.store.ids())
-    seed = 500_000 + len(engine.store.ids())
+    done: dict[int, int] = {}
+    for graft_id in engine.store.ids():
+        manifest = engine.store.manifest(graft_id)
+        problems = manifest.metadata.get("problems") or [{}]
+        seed = int(str(problems[0].get("id", "lib-0-0")).split("-")[1])
+        done[seed] = len(manifest.tokens)
+    seeds = itertools.count(500_001 + part, parts)
+    have, built, started = 0, 0, time.perf_counter()
     while have < target_tokens:
-        seed += 1
+        seed = next(seeds)
+        if seed in done:
+            have += done[seed]
+            continue
         entries, problems, size = [], [], 1
         for problem in training_problems(seed, 40):
             entry = prompt_of(problem.text) + problem.solution + "\n"
@@ -93,26 +122,46 @@ def build(store_dir: Path, target_tokens: int) -> None:
             size += cost
         put = engine.put("".join(entries), metadata={"kind": "block", "problems": problems})
         have += put.tokens
-        if len(engine.store.ids()) % 200 == 0:
-            print(f"built {have:,} / {target_tokens:,} tokens", file=sys.stderr, flush=True)
+        built += put.tokens
+        if (seed // parts) % 200 == 0:
+            rate = built / (time.perf_counter() - started)
+            line = f"worker {part}: {have:,} / {target_tokens:,} tokens ({rate:,.0f} tokens/s)"
+            print(line, file=sys.stderr, flush=True)
 
 
-def serve(store_dir: Path, fraction: float, queries: int, cache_mb: int) -> dict[str, Any]:
+def library_view(source: Path, fraction: float, into: Path) -> Path:
+    """The library at `fraction` of its grafts (the first by id) as a store of its own, made of hard links to the
+    source's graft directories and the blocks they name: no bytes copied, and the process serving it reads only its
+    own part's manifests and index, as a library of that size would."""
+    from kvgraft.store import LocalStore
+
+    if fraction >= 1.0:
+        return source
+    store = LocalStore(source)
+    root = source.resolve()
+    ids = store.ids()
+    for graft_id in ids[: max(1, round(len(ids) * fraction))]:
+        graft_dir = Path(store.tensors_path(graft_id)).parent
+        blocks = [store.block_path(ref.key).resolve() for ref in store.manifest(graft_id).blocks]
+        for path in [*graft_dir.iterdir(), *blocks]:
+            target = into / path.relative_to(root)
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(path, target)
+    return into
+
+
+def serve(store_dir: Path, queries: int, cache_mb: int) -> dict[str, Any]:
     """Runs in its own process, so that its peak resident memory is its own."""
-
     from kvgraft.core.sampling import SamplingParams
     from kvgraft.engine.engine import Engine
     from kvgraft.flywheel.problems import prompt_of
-    from kvgraft.library.index import load_index
     from kvgraft.library.library import Library
     from kvgraft.store import LocalStore
     from kvgraft.store.cache import CachedStore
 
     local = LocalStore(store_dir)
-    ids = sorted(load_index(local))
-    keep = set(ids[: max(1, round(len(ids) * fraction))])
     library = Library.from_store(local)
-    library.block_entries = [e for e in library.block_entries if e[0] in keep]
     engine = Engine.load("demo", store=CachedStore(local, cache_mb << 20))
     rng = random.Random(0)
     picks = [rng.choice(library.block_entries) for _ in range(queries)]
@@ -132,7 +181,7 @@ def serve(store_dir: Path, fraction: float, queries: int, cache_mb: int) -> dict
             fresh = engine.run_fresh(result.receipt.input_tokens, params)
             ttft_recompute.append(fresh.ttft_s)
     return {
-        "grafts": len(keep),
+        "grafts": len(local.ids()),
         "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "retrieval_s": retrieval,
         "restore_s": restore,
@@ -149,47 +198,45 @@ def _pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--scale", type=float, default=1.0, help="Library tokens as a multiple of the published 2.85M.")
+    parser.add_argument("--tokens", type=int, default=None, help="Library tokens (instead of --scale).")
+    parser.add_argument("--workers", type=int, default=1, help="Build processes (one per core pays: 1 thread each).")
     parser.add_argument("--store", type=Path, default=None, help="Build into / reuse this store.")
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--cache-mb", type=int, default=16)
     parser.add_argument("--dedup-grafts", type=int, default=20)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--serve", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--build-part", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve is not None:
-        print(json.dumps(serve(args.store, args.serve, args.queries, args.cache_mb)))
+    if args.serve:
+        print(json.dumps(serve(args.store, args.queries, args.cache_mb)))
         return
+    if args.build_part is not None:
+        part, parts = (int(x) for x in args.build_part.split("/"))
+        build_part(args.store, args.tokens, part, parts)
+        return
+    from kvgraft.library.index import load_index, store_stats
+    from kvgraft.store import LocalStore
+
     with tempfile.TemporaryDirectory(prefix="kvgraft-library-", dir=".") as tmp:
         store_dir = args.store or Path(tmp)
-        target = round(PUBLISHED_TOKENS * args.scale)
+        target = args.tokens or round(PUBLISHED_TOKENS * args.scale)
+        # Brings the index up to date (read by every library that opens the store) before the build's clock starts.
+        before = store_stats(LocalStore(store_dir)).tokens
         started = time.perf_counter()
-        build(store_dir, target)
+        build(store_dir, target, args.workers)
         build_s = time.perf_counter() - started
+        stats = store_stats(LocalStore(store_dir))  # and again, so that serving starts from a saved index
         runs = {}
-        for label, fraction in (("1%", 0.01), ("10%", 0.10), ("100%", 1.0)):
-            child = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--serve",
-                    str(fraction),
-                    "--store",
-                    str(store_dir),
-                    "--queries",
-                    str(args.queries),
-                    "--cache-mb",
-                    str(args.cache_mb),
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            runs[label] = json.loads(child.stdout.strip().splitlines()[-1])
-        from kvgraft.library.index import store_stats
-        from kvgraft.store import LocalStore
-
-        stats = store_stats(LocalStore(store_dir))
+        with tempfile.TemporaryDirectory(prefix="kvgraft-views-", dir=store_dir.resolve().parent) as views:
+            for label, fraction in (("1%", 0.01), ("10%", 0.10), ("100%", 1.0)):
+                view = library_view(store_dir, fraction, Path(views) / label.rstrip("%"))
+                load_index(LocalStore(view))
+                command = [sys.executable, __file__, "--serve", "--store", str(view), "--queries", str(args.queries)]
+                command += ["--cache-mb", str(args.cache_mb)]
+                child = subprocess.run(command, capture_output=True, text=True, check=True)
+                runs[label] = json.loads(child.stdout.strip().splitlines()[-1])
         full = runs["100%"]
         with tempfile.TemporaryDirectory(prefix="kvgraft-dedup-", dir=".") as dedup_tmp:
             shared = dedup(Path(dedup_tmp), args.dedup_grafts)
@@ -202,7 +249,11 @@ def main() -> None:
             "logical_bytes": stats.logical_bytes,
             "dedup_ratio": stats.dedup_ratio,
             "build_s": build_s,
+            "built_tokens": stats.tokens - before,
+            "build_tokens_per_s": (stats.tokens - before) / build_s,
+            "build_workers": args.workers,
             "cache_budget_bytes": args.cache_mb << 20,
+            "grafts_served": {label: run["grafts"] for label, run in runs.items()},
             "rss_peak_bytes": {label: run["rss_peak_bytes"] for label, run in runs.items()},
             "rss_100_over_1": runs["100%"]["rss_peak_bytes"] / runs["1%"]["rss_peak_bytes"],
             "retrieval_ms": {
@@ -223,8 +274,9 @@ def main() -> None:
     rss = result["rss_peak_bytes"]
     print(
         f"library {result['library_tokens']:,} tokens in {result['grafts']:,} grafts = "
-        f"{result['effective_ratio']:,.0f}x the 1,024-token window; {result['disk_bytes'] / 1e9:.2f} GB on disk; "
-        f"built in {build_s:.0f} s"
+        f"{result['effective_ratio']:,.0f}x the 1,024-token window; {result['disk_bytes'] / 1e9:.2f} GB on disk "
+        f"({result['disk_bytes'] / result['library_tokens']:,.0f} bytes/token); {result['built_tokens']:,} tokens "
+        f"built in {build_s:.0f} s by {args.workers} worker(s) ({result['build_tokens_per_s']:,.0f} tokens/s)"
     )
     print(
         f"peak RSS (LRU budget {args.cache_mb} MB): 1% {rss['1%'] / 2**20:.0f} MB, 10% {rss['10%'] / 2**20:.0f} MB, "
