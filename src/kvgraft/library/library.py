@@ -8,13 +8,16 @@ Texts are matched by a retriever (kvgraft.library.retrieval): BM25 by default, o
 
 from __future__ import annotations
 
+import pickle
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgraft.core.hashing import sha256_token_ids
+from kvgraft.core.memory import release_free_memory
 from kvgraft.format.metadata import GraftKind
-from kvgraft.library.index import load_index
+from kvgraft.library.index import IndexEntry, load_index
 from kvgraft.library.retrieval import Retriever, make_retriever
 from kvgraft.store import GraftStore
 
@@ -76,10 +79,20 @@ class Library:
         `retriever`: None or "bm25" for BM25, a local sentence-transformers model directory for the dense
         retriever, or a Retriever.
         """
-        entries = list(load_index(store).values())
         if retriever is None or isinstance(retriever, str | Path):
             retriever = make_retriever(None if retriever in (None, "bm25") else retriever)
-        library = cls(retriever=retriever)
+        # The texts kept are strings of the parsed index, scattered among the far larger part of it that is dropped,
+        # and each would pin its block of the allocator's memory. Copied out once the parse is freed, they lie
+        # packed: a library's resident memory is then about what it holds.
+        packed = pickle.dumps(cls._of_entries(load_index(store).values()))
+        library: Library = pickle.loads(packed)
+        library.retriever = retriever
+        release_free_memory()
+        return library
+
+    @classmethod
+    def _of_entries(cls, entries: Iterable[IndexEntry]) -> Library:
+        library = cls()
         for entry in entries:
             refs = entry.problem_refs
             if entry.kind is GraftKind.REPLAY and entry.prompt_tokens_sha256 and refs:
@@ -137,6 +150,7 @@ class Library:
                 self._all = (everything, docs)
             else:
                 self._all = (self.retriever, self.block_entries)
+            release_free_memory()  # what tokenizing every text took
         return self._all
 
 

@@ -52,14 +52,15 @@ class BM25Retriever:
     name = "bm25"
 
     def __init__(self) -> None:
-        self._keys: list[str] = []
+        self._keys: np.ndarray[Any, np.dtype[np.str_]] = np.array([], dtype=str)
+        """one fixed-width array rather than a string object per document: a library's memory stays flat"""
         self._bm25: bm25s.BM25 | None = None
 
     def empty(self) -> BM25Retriever:
         return BM25Retriever()
 
     def index(self, docs: Sequence[tuple[str, str]]) -> None:
-        self._keys = [key for key, _ in docs]
+        self._keys = np.array([key for key, _ in docs], dtype=str)
         self._bm25 = None
         if docs:
             corpus = bm25s.tokenize(
@@ -77,7 +78,7 @@ class BM25Retriever:
         docs, scores = self._bm25.retrieve(tokens, k=k, show_progress=False)
         hits = [(i, s) for i, s in zip(docs[0].tolist(), scores[0].tolist(), strict=True) if s > 0.0]
         hits.sort(key=lambda h: (-h[1], h[0]))
-        return [(self._keys[i], float(s)) for i, s in hits]
+        return [(str(self._keys[i]), float(s)) for i, s in hits]
 
 
 class DenseRetriever:
