@@ -105,10 +105,13 @@ def test_index_entries_carry_summaries_and_search_finds_plain_text_grafts(
     library = Library.from_store(store)
     for name, gid in plain.items():
         hits = library.search(PLAIN[name], k=3)
-        assert (hits[0].graft_id, hits[0].label) == (gid, "summary")
+        assert (hits[0].graft_id, hits[0].label, hits[0].match) == (gid, "summary", 1.0)  # its own words, all
         assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
     assert library.search("harbour tide water", k=1)[0].graft_id == plain["tide"]
-    assert [(h.graft_id, h.label) for h in library.search("lighthouse logbook", k=2)] == [(titled, "title")]
+    # "lighthouse keeper logbook": 2 of the 3 words, and no other
+    assert [(h.graft_id, h.label, h.match) for h in library.search("lighthouse logbook", k=2)] == [
+        (titled, "title", 2 / 3)
+    ]
     hit = library.search(items[4].problem, k=1)[0]
     assert (hit.graft_id, hit.label) == (blocks[1], items[4].id)
     # blocks alone are what search_blocks ranks: plain grafts never come back from it

@@ -51,6 +51,8 @@ class Hit:
     """the retriever's score of the graft's best-matching text"""
     label: str
     """which text matched: a block's problem id, or "summary" / "title" for any other graft"""
+    match: float
+    """Jaccard overlap between the query and that text, in [0, 1]"""
 
 
 Doc = tuple[str, str, str]
@@ -135,7 +137,8 @@ class Library:
         """The best k grafts of any kind for a query (blocks by their problems, others by summary or title)."""
         retriever, docs = self._indexed()
         return [
-            Hit(graft_id, score, label) for (graft_id, label, _), score in _best_per_graft(retriever, docs, query, k)
+            Hit(graft_id, score, label, jaccard(query, text))
+            for (graft_id, label, text), score in _best_per_graft(retriever, docs, query, k)
         ]
 
     def _indexed(self) -> tuple[Retriever, list[Doc]]:

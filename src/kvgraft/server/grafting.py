@@ -14,7 +14,7 @@ from typing import Any
 from kvgraft.core.errors import KvgraftError
 from kvgraft.engine.engine import Engine
 from kvgraft.format.manifest import Manifest
-from kvgraft.library.library import Library, jaccard
+from kvgraft.library.library import Library
 from kvgraft.library.retrieval import Retriever, make_retriever
 from kvgraft.models.loading import max_positions
 from kvgraft.store import GraftStore
@@ -76,8 +76,6 @@ class LibrarySnapshot:
     """The retrieval library of the store as it was at one moment."""
 
     library: Library
-    texts: dict[tuple[str, str], str]
-    """(graft id, label) -> the text retrieval matched, to report word overlap"""
 
 
 class LibraryView:
@@ -116,9 +114,7 @@ class LibraryView:
             signature = self._current_signature()
             if self._snapshot is None or signature != self._signature:
                 # `empty()` shares a dense retriever's loaded model instead of loading it again.
-                library = Library.from_store(self._store, self._retriever.empty())
-                texts = {(g, label): text for g, label, text in library.block_entries + library.other_entries}
-                self._snapshot = LibrarySnapshot(library, texts)
+                self._snapshot = LibrarySnapshot(Library.from_store(self._store, self._retriever.empty()))
                 self._signature = signature
             return self._snapshot
 
@@ -166,14 +162,13 @@ def plan_grafts(
     chosen: Manifest | None = None
     report: list[Candidate] = []
     for hit in hits:
-        match = jaccard(query, snapshot.texts.get((hit.graft_id, hit.label), ""))
         reason: str | None = None
         manifest: Manifest | None = None
         if chosen is not None:
             reason = "a better graft was used"
         elif hit.score <= 0 or hit.score < choice.min_score:
             reason = f"score below min_score {choice.min_score}" if hit.score > 0 else "score is not positive"
-        elif match < choice.min_match:
+        elif hit.match < choice.min_match:
             reason = f"match below min_match {choice.min_match}"
         else:
             try:
@@ -187,7 +182,7 @@ def plan_grafts(
         used = reason is None and manifest is not None
         if used:
             chosen = manifest
-        report.append(Candidate(hit.graft_id, hit.score, match, hit.label, used, reason))
+        report.append(Candidate(hit.graft_id, hit.score, hit.match, hit.label, used, reason))
     if chosen is None:
         return GraftPlan(None, None, None, report, searched=True)
     return GraftPlan(chosen.id, "retrieval", chosen, report, searched=True)
