@@ -94,14 +94,13 @@ def build_part(store_dir: Path, target_tokens: int, part: int, parts: int) -> No
     tokens. Blocks this worker stored before (a resumed build) are counted, not built again."""
     from kvgraft.engine.engine import Engine
     from kvgraft.flywheel.problems import prompt_of, training_problems
+    from kvgraft.library.index import load_index
 
     engine = Engine.load("demo", store=str(store_dir))
     done: dict[int, int] = {}
-    for graft_id in engine.store.ids():
-        manifest = engine.store.manifest(graft_id)
-        problems = manifest.metadata.get("problems") or [{}]
-        seed = int(str(problems[0].get("id", "lib-0-0")).split("-")[1])
-        done[seed] = len(manifest.tokens)
+    for entry in load_index(engine.store).values():  # the parent brought the index up to date
+        first = entry.problems[0]["id"] if entry.problems else "lib-0-0"
+        done[int(first.split("-")[1])] = entry.tokens
     seeds = itertools.count(500_001 + part, parts)
     have, built, started = 0, 0, time.perf_counter()
     while have < target_tokens:

@@ -226,3 +226,24 @@ def test_cli_bench_refuses_a_dense_model_that_is_not_a_directory(tmp_path: Path)
     assert result.stdout == "" and "Traceback" not in result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: dense model /nonexistent: not a local directory"), lines
+
+
+def test_a_library_reads_back_from_its_packed_form() -> None:
+    # from_store repacks what it keeps (JSON of its own lookups and documents) once the index parse is freed.
+    library = Library(
+        replay_by_prompt={"p" * 64: "g1" * 32},
+        replay_problems={"s" * 64: "g1" * 32},
+        replay_by_format={("plain", "s" * 64): "g1" * 32, ("chat", "s" * 64): "g2" * 32},
+        block_entries=[
+            ("b1" * 32, "lib-1-0", "What is 2+2?"),
+            ("b1" * 32, "lib-1-1", "Ünïcode ∑, 数学"),
+            ("b2" * 32, "x", ""),
+        ],
+        other_entries=[("g3" * 32, "summary", "A note.")],
+    )
+    retriever = make_retriever()
+    copy = Library._unpacked(library._packed(), retriever)
+    assert copy.retriever is retriever
+    for name in ("replay_by_prompt", "replay_problems", "replay_by_format", "block_entries", "other_entries"):
+        assert getattr(copy, name) == getattr(library, name)
+    assert copy.block_entries[0][0] is copy.block_entries[1][0]  # a block's graft id is held once

@@ -8,11 +8,12 @@ Texts are matched by a retriever (kvgraft.library.retrieval): BM25 by default, o
 
 from __future__ import annotations
 
-import pickle
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvgraft.core.hashing import sha256_token_ids
 from kvgraft.core.memory import release_free_memory
@@ -86,11 +87,39 @@ class Library:
         # The texts kept are strings of the parsed index, scattered among the far larger part of it that is dropped,
         # and each would pin its block of the allocator's memory. Copied out once the parse is freed, they lie
         # packed: a library's resident memory is then about what it holds.
-        packed = pickle.dumps(cls._of_entries(load_index(store).values()))
-        library: Library = pickle.loads(packed)
-        library.retriever = retriever
+        packed = cls._of_entries(load_index(store).values())._packed()
+        library = cls._unpacked(packed, retriever)
         release_free_memory()
         return library
+
+    def _packed(self) -> str:
+        """The library's lookups and documents as one JSON string (graft ids of documents stored once)."""
+
+        def columns(docs: list[Doc]) -> list[list[Any]]:
+            graft_ids = list(dict.fromkeys(doc[0] for doc in docs))
+            position = {graft_id: i for i, graft_id in enumerate(graft_ids)}
+            return [graft_ids, [position[doc[0]] for doc in docs], [doc[1] for doc in docs], [doc[2] for doc in docs]]
+
+        formats = [[*key, graft_id] for key, graft_id in self.replay_by_format.items()]
+        lookups = [self.replay_by_prompt, self.replay_problems, formats]
+        return json.dumps([lookups, columns(self.block_entries), columns(self.other_entries)])
+
+    @classmethod
+    def _unpacked(cls, packed: str, retriever: Retriever) -> Library:
+        (by_prompt, problems, formats), blocks, others = json.loads(packed)
+
+        def docs(graft_ids: list[str], owners: list[int], labels: list[str], texts: list[str]) -> list[Doc]:
+            return [(graft_ids[o], label, text) for o, label, text in zip(owners, labels, texts, strict=True)]
+
+        by_format = {(prompt_format, sha): graft_id for prompt_format, sha, graft_id in formats}
+        return cls(
+            replay_by_prompt=by_prompt,
+            replay_problems=problems,
+            replay_by_format=by_format,
+            block_entries=docs(*blocks),
+            other_entries=docs(*others),
+            retriever=retriever,
+        )
 
     @classmethod
     def _of_entries(cls, entries: Iterable[IndexEntry]) -> Library:
